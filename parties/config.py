@@ -1,7 +1,7 @@
 """The configuration of one VFB² training job, validated before any rank starts work.
 
 One dataclass, one argument parser, one validation function: ``vfl train``, ``mpirun.sh`` and the
-per-rank entry point (``parties.launch``) all go through them, so a bad option is reported once, in
+per-rank entry point (``parties.rank``) all go through them, so a bad option is reported once, in
 plain words, before ``mpiexec`` is even started.
 """
 
@@ -13,8 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-ALGORITHMS = ("sgd", "svrg", "saga", "saga-scalar", "afsvrg-vp")
-MODES = ("async", "sync")
+from vfl.algorithms.registry import ALGORITHMS, MODES, get_algorithm
 
 
 class ConfigError(ValueError):
@@ -75,12 +74,14 @@ def validate(config: RunConfig) -> RunConfig:
                           "--allow-two-parties to accept this leak")
     if not 1 <= c.active <= c.parties:
         raise ConfigError(f"--active must be between 1 and --parties={c.parties} (got {c.active})")
-    if c.algorithm not in ALGORITHMS:
-        raise ConfigError(f"unknown --algorithm {c.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    try:
+        algorithm = get_algorithm(c.algorithm)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if c.mode not in MODES:
         raise ConfigError(f"unknown --mode {c.mode!r}; choose one of {', '.join(MODES)}")
-    if c.algorithm == "afsvrg-vp" and c.mode != "async":
-        raise ConfigError("afsvrg-vp is an asynchronous baseline: use --mode async")
+    if c.mode not in algorithm.modes:
+        raise ConfigError(f"{c.algorithm} runs only with --mode {' or '.join(algorithm.modes)}")
     for name in ("gamma", "epochs", "eval_every"):
         if not getattr(c, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive (got {getattr(c, name)})")
@@ -145,8 +146,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--problem", default=d.problem,
                    help="logistic | nonconvex-logistic | least-squares | robust")
     p.add_argument("--lam", type=float, default=d.lam, help="regularisation λ (paper: 1e-4)")
-    p.add_argument("--algorithm", "--algo", default=d.algorithm, help=" | ".join(ALGORITHMS))
-    p.add_argument("--mode", default=d.mode, help="async (VFB²) or sync (VFB baseline)")
+    p.add_argument("--algorithm", "--algo", default=d.algorithm, choices=list(ALGORITHMS),
+                   help="; ".join(f"{a.name}: {a.summary}" for a in ALGORITHMS.values()))
+    p.add_argument("--mode", default=d.mode, choices=MODES, help="async (VFB²) or sync (VFB baseline)")
     p.add_argument("--gamma", type=float, default=d.gamma, help="learning rate γ")
     p.add_argument("--epochs", type=float, default=d.epochs, help="stop after this many passes over the data")
     p.add_argument("--target-suboptimality", type=float, default=None,

@@ -1,36 +1,29 @@
-"""Launching a VFB² job: the validating launcher (``vfl train``, ``mpirun.sh``) and the per-rank entry.
+"""Launching and supervising a VFB² job from one ordinary process (``vfl train``, ``mpirun.sh``).
 
-``launch(config)`` runs in one ordinary process: it validates the whole configuration (so a bad option
-fails before any rank starts), solves the NonF reference for f* when the data is a named dataset,
-writes ``<out>/config.json`` and starts ``mpiexec -n q python -m mpi4py -m parties.launch``.
-``python -m mpi4py`` makes an uncaught exception in any rank abort the whole job instead of hanging it.
-
-Each rank then runs :func:`run_party`: load its own block (a slice of a named dataset in simulation,
-or its own file from ``vfl split``), start its :class:`~parties.runtime.PartyRuntime`, and train in
-segments of ``eval_every`` epochs separated by global barriers (evaluation, checkpoints, SVRG
-snapshots). Rank 0 is the leader: an active party that computes full ϑ vectors, evaluates, logs
-metrics and shows progress.
+``launch(config)`` validates the whole configuration (so a bad option fails before any rank starts),
+solves the NonF reference for f* when the data is a named dataset, writes ``<out>/config.json``,
+starts ``mpiexec -n q python -m mpi4py -m parties.rank`` (see :mod:`parties.rank`) and, when the job
+ends, turns its outcome into one line and an exit code (:data:`EXIT_CODES`): which party failed
+first, a divergence, a target not reached, an interrupt.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-from parties.checkpoint import load_checkpoint, save_checkpoint
-from parties.config import RunConfig, validate
-from vfl.algorithms.vfb2 import Block, get_rule
+from parties.checkpoint import MANIFEST, complete_epochs
+from parties.config import ConfigError, RunConfig, validate
 from vfl.problems import get_problem
 
-LEADER = 0
+#: The exit codes of ``vfl train`` (documented in the README): 2 is a user mistake found before any
+#: rank starts, like every ``vfl`` command's.
+EXIT_CODES = {"ok": 0, "failed": 1, "usage": 2, "diverged": 3, "target_missed": 4, "interrupted": 130}
 
 
 # ------------------------------------------------------------------------------------------ launcher
@@ -58,24 +51,68 @@ def reference_f_star(config: RunConfig) -> float:
 
 
 def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None) -> int:
-    """Validate, prepare and run a job under ``mpiexec``; returns the job's exit code."""
+    """Validate, prepare and run a job under ``mpiexec``; returns the exit code (:data:`EXIT_CODES`)."""
     validate(config)
+    out = Path(config.out)
+    if config.resume:
+        complete_epochs(out)  # a missing or damaged checkpoint is a usage error, found before mpiexec
     if config.f_star is None and config.party_files is None:
         config.f_star = reference_f_star(config)
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    config_path = out / "config.json"
-    config_path.write_text(config.to_json() + "\n")
-    for stale in out.glob("party-*.pid"):
-        stale.unlink()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        config_path = out / "config.json"
+        config_path.write_text(config.to_json() + "\n")
+    except OSError as err:
+        raise ConfigError(f"--out {out}: cannot write there ({err.strerror})") from None
+    stale = [*out.glob("party-*.pid"), out / "result.json"]
+    if not config.resume:
+        stale.append(out / MANIFEST)
+    for path in stale:
+        path.unlink(missing_ok=True)
     watch = FirstDeath(out, config.parties)
-    code, output = run_mpi_module(config.parties, "parties.launch", ["--config", str(config_path)],
-                                  extra_env=extra_env)
+    try:
+        code, output = run_mpi_module(config.parties, "parties.rank", ["--config", str(config_path)],
+                                      extra_env=extra_env)
+    except KeyboardInterrupt:
+        return _interrupted(out)
+    if code == -signal.SIGINT or code == 128 + signal.SIGINT:
+        return _interrupted(out)
     if code != 0:
         culprit = _failed_party(output, watch.first(output))
         print(f"vfl train: the job failed (exit code {code}){culprit}. Checkpoints, if any, are in "
               f"{out} (--resume continues from them).", file=sys.stderr)
-    return code
+        return EXIT_CODES["failed"]
+    return _outcome(config, out)
+
+
+def _interrupted(out: Path) -> int:
+    try:
+        where = f"the last complete epoch is {complete_epochs(out):g}; resume with --resume"
+    except (FileNotFoundError, ValueError):
+        where = "no epoch was complete yet"
+    print(f"vfl train: interrupted; {where}.", file=sys.stderr)
+    return EXIT_CODES["interrupted"]
+
+
+def _outcome(config: RunConfig, out: Path) -> int:
+    """The leader's ``result.json`` as an exit code, with one line of advice where it failed."""
+    try:
+        result = json.loads((out / "result.json").read_text())
+    except (OSError, ValueError):
+        print(f"vfl train: the job ended without writing {out / 'result.json'}", file=sys.stderr)
+        return EXIT_CODES["failed"]
+    record = result.get("record", {})
+    if result["outcome"] == "diverged":
+        print(f"vfl train: diverged at epoch {record.get('epoch', 0):g} (loss {record.get('loss')}): "
+              f"try a smaller --gamma (tried {config.gamma:g})", file=sys.stderr)
+        return EXIT_CODES["diverged"]
+    target = config.target_suboptimality
+    if target is not None and result["outcome"] != "target":
+        print(f"vfl train: --target-suboptimality {target:g} not reached: f − f* = "
+              f"{record.get('suboptimality', float('nan')):.3g} after {result['epochs']:g} epochs "
+              f"(raise --epochs or tune --gamma)", file=sys.stderr)
+        return EXIT_CODES["target_missed"]
+    return EXIT_CODES["ok"]
 
 
 def run_mpi_module(ranks: int, module: str, args: list[str], *,
@@ -180,202 +217,3 @@ def _failed_party(output: str, first_dead: int | None) -> str:
     if first_dead is not None:
         return f": party {first_dead} died first, and the others were stopped"
     return ""
-
-
-# ---------------------------------------------------------------------------------------- each rank
-
-
-def load_party(config: RunConfig, rank: int):
-    """This rank's PartyState: its block of the training/test features and, if active, the labels."""
-    from parties.runtime import PartyState
-
-    active = rank < config.active
-    if config.party_files is not None:
-        from vfl.datasets.party_files import load_party_file, party_file_name
-
-        data = load_party_file(Path(config.party_files) / party_file_name(rank), expect_labels=active)
-        X_train, X_test, y_train, y_test = data.X_train, data.X_test, data.y_train, data.y_test
-    else:
-        from vfl.datasets import load
-        from vfl.partition import block_of, random_blocks
-
-        ds = load(config.dataset, seed=config.seed, data_dir=config.data_dir)
-        cols = random_blocks(ds.n_features, config.parties, seed=config.seed)[rank]
-        X_train, X_test = block_of(ds.X_train, cols), block_of(ds.X_test, cols)
-        y_train, y_test = (ds.y_train, ds.y_test) if active else (None, None)
-    problem = get_problem(config.problem, lam=config.lam)
-    algorithm = "svrg" if config.algorithm == "afsvrg-vp" else config.algorithm
-    block = Block.from_matrix(X_train)
-    rule = get_rule(algorithm)(block, problem.regularizer, problem.lam, config.gamma)
-    has_test = X_test is not None and X_test.shape[0] > 0
-    return PartyState(
-        rank=rank, block=block, w=np.zeros(block.n_cols), rule=rule,
-        problem=problem if active else None,  # passive parties never see the loss (spec 1.2)
-        y=None if y_train is None else np.asarray(y_train, dtype=np.float64),
-        test_block=Block.from_matrix(X_test) if has_test else None,
-        y_test=None if y_test is None or not has_test else np.asarray(y_test, dtype=np.float64))
-
-
-class _Trainer:
-    """The main thread of one rank: segments, barriers, evaluation, metrics, checkpoints."""
-
-    def __init__(self, runtime, config: RunConfig) -> None:
-        self.rt = runtime
-        self.config = config
-        self.party = runtime.party
-        self.rank = runtime.rank
-        self.epochs = 0.0
-        self.train_time = 0.0
-        self.updates = 0
-        self.out = Path(config.out)
-        self.log = None
-        self.bar = None
-
-    def run(self) -> None:
-        config, party = self.config, self.party
-        if config.resume:
-            ckpt = load_checkpoint(self.out, self.rank, party.block.n_cols)
-            party.w[:] = ckpt.w
-            self.epochs, self.train_time = ckpt.epochs, ckpt.train_time
-        if self.rank == LEADER:
-            self.out.mkdir(parents=True, exist_ok=True)
-            self.log = open(self.out / "metrics.jsonl", "a" if config.resume else "w")  # noqa: SIM115
-            if config.progress:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=config.epochs, initial=self.epochs, unit="epoch",
-                                desc=f"VFB²-{config.algorithm} {config.mode} q={config.parties}")
-        record = self._evaluate()
-        if party.rule.needs_initial_pass:
-            started = time.perf_counter()
-            party.rule.initialize(self.rt.full_theta(LEADER), party.w)
-            self.train_time += time.perf_counter() - started
-        n = party.block.n_rows
-        stop = self._should_stop(record)
-        while not stop:
-            segment = min(config.eval_every, config.epochs - self.epochs)
-            started = time.perf_counter()
-            if party.rule.needs_snapshot:
-                party.rule.snapshot(self.rt.full_theta(LEADER))
-            done = 0
-            if party.active:
-                quota = math.ceil(segment * n / config.active)
-                deadline = (None if config.time_limit is None
-                            else started + config.time_limit - self.train_time)
-                done = self.rt.dominate(quota, deadline)
-                self.rt.finish_segment()
-            self.rt.drain()
-            self.train_time += time.perf_counter() - started
-            done_all = int(self.rt.ctrl.allreduce(done))
-            self.updates += done_all
-            self.epochs += done_all / n if config.time_limit is not None else segment  # cut short?
-            record = self._evaluate()
-            save_checkpoint(self.out, self.rank, party.w, self.epochs, self.train_time)
-            stop = self._should_stop(record)
-        if self.bar is not None:
-            self.bar.close()
-        if self.log is not None:
-            self.log.close()
-            self._summary(record)
-
-    def _summary(self, record: dict) -> None:
-        c = self.config
-        rate = self.updates / self.train_time if self.train_time else 0.0
-        shown = ", ".join(f"{k} {v:.6g}" for k, v in record.items()
-                          if k in ("loss", "suboptimality", "test_accuracy", "test_rmse"))
-        print(f"VFB²-{c.algorithm} ({c.mode}) on {c.dataset if c.party_files is None else c.party_files}, "
-              f"q={c.parties}, m={c.active}: {self.epochs:g} epochs, {self.updates} dominated updates in "
-              f"{self.train_time:.2f} s of training ({rate:,.0f}/s); {shown}.\n"
-              f"Metrics: {self.out / 'metrics.jsonl'}; each party's block: {self.out}/party-<rank>.ckpt.npz",
-              flush=True)
-
-    def _should_stop(self, record: dict | None) -> bool:
-        stop = False
-        if self.rank == LEADER:
-            assert record is not None
-            c = self.config
-            stop = (self.epochs >= c.epochs - 1e-9
-                    or (c.time_limit is not None and self.train_time >= c.time_limit)
-                    or (c.target_suboptimality is not None and "suboptimality" in record
-                        and record["suboptimality"] <= c.target_suboptimality))
-        return bool(self.rt.ctrl.bcast(stop, root=LEADER))
-
-    def _evaluate(self) -> dict | None:
-        """f(w), f(w) − f*, test accuracy / RMSE at the leader; not counted as training time."""
-        z = self.rt.full_scores(root=LEADER)
-        reg = self.rt.regularizer_sum(root=LEADER)
-        has_test = self.rt.ctrl.bcast(self.party.test_block is not None if self.rank == LEADER else None,
-                                      root=LEADER)
-        z_test = self.rt.full_scores(test=True, root=LEADER) if has_test else None
-        if self.rank != LEADER:
-            return None
-        problem = self.party.problem
-        assert problem is not None and z is not None and reg is not None
-        loss = float(np.mean(problem.loss.value(z, self.party.y)) + reg)
-        record: dict = {"epoch": round(self.epochs, 6), "time": round(self.train_time, 6),
-                        "updates": self.updates, "loss": loss}
-        if self.config.f_star is not None:
-            record["suboptimality"] = loss - self.config.f_star
-        if z_test is not None:
-            key = "test_accuracy" if problem.task == "binary" else "test_rmse"
-            record[key] = _score(problem.task, z_test, self.party.y_test)
-        self.log.write(json.dumps(record) + "\n")
-        self.log.flush()
-        if self.bar is not None:
-            self.bar.n = self.epochs
-            self.bar.set_postfix({k: f"{v:.3g}" for k, v in record.items() if k in
-                                  ("loss", "suboptimality", "test_accuracy", "test_rmse")})
-        return record
-
-
-def _score(task: str, z: np.ndarray, y: np.ndarray) -> float:
-    from vfl.metrics import accuracy, rmse
-
-    if task == "binary":
-        return accuracy(y, np.where(z >= 0, 1.0, -1.0))
-    return rmse(y, z)
-
-
-def run_party(config: RunConfig) -> None:
-    """Entry point of one rank under mpiexec."""
-    from mpi4py import MPI
-
-    from parties.runtime import PartyRuntime
-
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if size != config.parties:
-        raise SystemExit(f"config says {config.parties} parties but mpiexec started {size} ranks")
-    import os
-
-    Path(config.out).mkdir(parents=True, exist_ok=True)
-    (Path(config.out) / f"party-{rank}.pid").write_text(str(os.getpid()))
-    try:
-        party = load_party(config, rank)
-    except Exception as err:
-        print(f"[party {rank}] cannot load its data: {err}", file=sys.stderr, flush=True)
-        raise
-    runtime = PartyRuntime(
-        comm, party, active_ranks=list(range(config.active)), threads=config.worker_threads,
-        seed=config.seed, synchronous=config.mode == "sync", dispatch=config.algorithm != "afsvrg-vp",
-        straggler=config.straggler, slowdown=config.slowdown, allow_two_parties=config.allow_two_parties,
-        audit=config.audit)
-    try:
-        _Trainer(runtime, config).run()
-    except Exception as err:  # python -m mpi4py then aborts the whole job
-        print(f"[party {rank}] fatal error: {err!r}", file=sys.stderr, flush=True)
-        raise
-    runtime.close()
-    if config.audit:
-        runtime.save_transcript(Path(config.out) / f"audit-{rank}.npz")
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="one VFB² party (run under mpiexec by `vfl train`)")
-    parser.add_argument("--config", required=True, help="config.json written by `vfl train`")
-    args = parser.parse_args(argv)
-    run_party(RunConfig.from_json(Path(args.config).read_text()))
-
-
-if __name__ == "__main__":
-    main()

@@ -43,7 +43,7 @@ def predict(run_dir: str | Path, *, split: str = "test", output: str | Path | No
 
 def _party_rows(config: RunConfig, rank: int, split: str):
     """This party's feature block for the split, its sample ids, and (leader) the task."""
-    from parties.launch import load_party
+    from parties.loading import load_party
 
     party = load_party(config, rank)
     block = party.block if split == "train" else party.test_block

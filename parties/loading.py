@@ -1,0 +1,46 @@
+"""What one rank loads: its own block of the features and, on an active party, the labels.
+
+A rank reads only its own data: a per-party file written by ``vfl split`` (a real deployment: each
+organisation has only its file), or its column block of a registered dataset (a simulation on one
+machine). The loss goes only to active parties: passive parties never see it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from parties.config import RunConfig
+from parties.runtime import PartyState
+from vfl.algorithms.registry import get_algorithm
+from vfl.algorithms.vfb2 import Block
+from vfl.problems import get_problem
+
+
+def load_party(config: RunConfig, rank: int) -> PartyState:
+    """This rank's PartyState: its block of the training/test features and, if active, the labels."""
+    active = rank < config.active
+    if config.party_files is not None:
+        from vfl.datasets.party_files import load_party_file, party_file_name
+
+        data = load_party_file(Path(config.party_files) / party_file_name(rank), expect_labels=active)
+        X_train, X_test, y_train, y_test = data.X_train, data.X_test, data.y_train, data.y_test
+    else:
+        from vfl.datasets import load
+        from vfl.partition import block_of, random_blocks
+
+        ds = load(config.dataset, seed=config.seed, data_dir=config.data_dir)
+        cols = random_blocks(ds.n_features, config.parties, seed=config.seed)[rank]
+        X_train, X_test = block_of(ds.X_train, cols), block_of(ds.X_test, cols)
+        y_train, y_test = (ds.y_train, ds.y_test) if active else (None, None)
+    problem = get_problem(config.problem, lam=config.lam)
+    block = Block.from_matrix(X_train)
+    rule = get_algorithm(config.algorithm).rule(block, problem.regularizer, problem.lam, config.gamma)
+    has_test = X_test is not None and X_test.shape[0] > 0
+    return PartyState(
+        rank=rank, block=block, w=np.zeros(block.n_cols), rule=rule,
+        problem=problem if active else None,
+        y=None if y_train is None else np.asarray(y_train, dtype=np.float64),
+        test_block=Block.from_matrix(X_test) if has_test else None,
+        y_test=None if y_test is None or not has_test else np.asarray(y_test, dtype=np.float64))

@@ -1,0 +1,51 @@
+"""The entry point of one rank under ``mpiexec`` (``python -m mpi4py -m parties.rank --config …``).
+
+It is the only place of a VFB² job that touches ``MPI.COMM_WORLD``: it loads this rank's own data and
+hands the world communicator to :func:`parties.training.train`. ``python -m mpi4py`` turns an uncaught
+exception in any rank into an abort of the whole job instead of a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from parties.config import RunConfig
+
+
+def run_party(config: RunConfig) -> None:
+    """Load this rank's block and train it with the other ranks."""
+    from mpi4py import MPI
+
+    from parties.loading import load_party
+    from parties.training import train
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size != config.parties:
+        raise SystemExit(f"config says {config.parties} parties but mpiexec started {size} ranks")
+    Path(config.out).mkdir(parents=True, exist_ok=True)
+    (Path(config.out) / f"party-{rank}.pid").write_text(str(os.getpid()))
+    try:
+        party = load_party(config, rank)
+    except Exception as err:
+        print(f"[party {rank}] cannot load its data: {err}", file=sys.stderr, flush=True)
+        raise
+    try:
+        train(comm, party, config)
+    except Exception as err:  # python -m mpi4py then aborts the whole job
+        print(f"[party {rank}] fatal error: {err!r}", file=sys.stderr, flush=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one VFB² party (run under mpiexec by `vfl train`)")
+    parser.add_argument("--config", required=True, help="config.json written by `vfl train`")
+    args = parser.parse_args(argv)
+    run_party(RunConfig.from_json(Path(args.config).read_text()))
+
+
+if __name__ == "__main__":
+    main()

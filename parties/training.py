@@ -1,0 +1,225 @@
+"""Training one party: ``train(comm, party, config)``, the library call behind ``vfl train``.
+
+Every rank of ``comm`` calls it with its own :class:`~parties.runtime.PartyState`. Training runs in
+segments of ``eval_every`` epochs separated by global barriers, where the SVRG snapshot, the
+evaluation and the checkpoint happen. Rank 0 is the leader: an active party that computes the full
+ϑ vectors, evaluates, logs metrics, shows progress and decides when to stop.
+
+The leader's decision reaches the others as one int64 word (a buffer broadcast, never pickle: a party
+must not be able to run code on another); an unknown word ends the job naming the leader.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from parties.checkpoint import load_checkpoint, mark_complete, save_checkpoint
+from parties.config import RunConfig
+from parties.runtime import PartyRuntime, PartyState
+from vfl.algorithms.registry import get_algorithm
+
+LEADER = 0
+#: A loss above this multiple of the initial loss (or non-finite) means the run diverged.
+DIVERGENCE_FACTOR = 10.0
+
+
+class Outcome(IntEnum):
+    """Why training stopped (or that it goes on), as the leader broadcasts it."""
+
+    CONTINUE = 0
+    BUDGET = 1  # --epochs or --time-limit used up
+    TARGET = 2  # --target-suboptimality reached
+    DIVERGED = 3  # loss non-finite or above DIVERGENCE_FACTOR × the initial loss
+
+
+@dataclass
+class TrainResult:
+    """What ``train`` returns on every rank; ``record`` (the last evaluation) only on the leader."""
+
+    outcome: Outcome
+    epochs: float
+    updates: int
+    train_time: float
+    record: dict | None
+
+
+def train(comm: MPI.Comm, party: PartyState, config: RunConfig) -> TrainResult:
+    """Train this party's block with the other ranks of ``comm`` (collective); returns the outcome.
+
+    ``party.w`` holds the trained block afterwards; checkpoints and the leader's metrics go to
+    ``config.out``.
+    """
+    algorithm = get_algorithm(config.algorithm)
+    runtime = PartyRuntime(
+        comm, party, active_ranks=list(range(config.active)), threads=config.worker_threads,
+        seed=config.seed, synchronous=config.mode == "sync", dispatch=algorithm.dispatch,
+        straggler=config.straggler, slowdown=config.slowdown, allow_two_parties=config.allow_two_parties,
+        audit=config.audit)
+    result = _Trainer(runtime, config).run()
+    runtime.close()
+    if config.audit:
+        runtime.save_transcript(Path(config.out) / f"audit-{runtime.rank}.npz")
+    return result
+
+
+class _Trainer:
+    """The main thread of one rank: segments, barriers, evaluation, metrics, checkpoints."""
+
+    def __init__(self, runtime: PartyRuntime, config: RunConfig) -> None:
+        self.rt = runtime
+        self.config = config
+        self.party = runtime.party
+        self.rank = runtime.rank
+        self.epochs = 0.0
+        self.train_time = 0.0
+        self.updates = 0
+        self.initial_loss: float | None = None
+        self.out = Path(config.out)
+        self.log = None
+        self.bar = None
+
+    def run(self) -> TrainResult:
+        config, party = self.config, self.party
+        if config.resume:
+            ckpt = load_checkpoint(self.out, self.rank, party.block.n_cols)
+            party.w[:] = ckpt.w
+            self.epochs, self.train_time, self.updates = ckpt.epochs, ckpt.train_time, ckpt.updates
+        if self.rank == LEADER:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.log = open(self.out / "metrics.jsonl", "a" if config.resume else "w")  # noqa: SIM115
+            if config.progress:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=config.epochs, initial=self.epochs, unit="epoch",
+                                desc=f"VFB²-{config.algorithm} {config.mode} q={config.parties}")
+        record = self._evaluate()
+        if party.rule.needs_initial_pass:
+            started = time.perf_counter()
+            party.rule.initialize(self.rt.full_theta(LEADER), party.w)
+            self.train_time += time.perf_counter() - started
+        n = party.block.n_rows
+        outcome = self._decide(record)
+        while outcome is Outcome.CONTINUE:
+            segment = min(config.eval_every, config.epochs - self.epochs)
+            started = time.perf_counter()
+            if party.rule.needs_snapshot:
+                party.rule.snapshot(self.rt.full_theta(LEADER))
+            done = 0
+            if party.active:
+                quota = math.ceil(segment * n / config.active)
+                deadline = (None if config.time_limit is None
+                            else started + config.time_limit - self.train_time)
+                done = self.rt.dominate(quota, deadline)
+                self.rt.finish_segment()
+            self.rt.drain()
+            self.train_time += time.perf_counter() - started
+            done_all = self._sum_over_parties(done)
+            self.updates += done_all
+            self.epochs += done_all / n if config.time_limit is not None else segment  # cut short?
+            record = self._evaluate()
+            save_checkpoint(self.out, self.rank, party.w, self.epochs, self.train_time, self.updates)
+            self.rt.ctrl.Barrier()  # every party has written this epoch's block: it is complete
+            if self.rank == LEADER:
+                mark_complete(self.out, self.epochs)
+            outcome = self._decide(record)
+        if self.bar is not None:
+            self.bar.close()
+        if self.log is not None:
+            self.log.close()
+            self._summary(record, outcome)
+        return TrainResult(outcome, self.epochs, self.updates, self.train_time,
+                           record if self.rank == LEADER else None)
+
+    # ------------------------------------------------------------------------------------ the leader
+
+    def _decide(self, record: dict | None) -> Outcome:
+        """The leader decides whether to go on; every rank learns it from one broadcast word."""
+        word = np.zeros(1, dtype=np.int64)
+        if self.rank == LEADER:
+            assert record is not None
+            word[0] = self._outcome(record)
+        self.rt.ctrl.Bcast(word, root=LEADER)
+        try:
+            return Outcome(int(word[0]))
+        except ValueError:
+            raise RuntimeError(f"party {LEADER} sent an invalid stop decision: {int(word[0])}") from None
+
+    def _outcome(self, record: dict) -> Outcome:
+        c = self.config
+        loss = record["loss"]
+        if self.initial_loss is None:
+            self.initial_loss = loss
+        if not math.isfinite(loss) or loss > DIVERGENCE_FACTOR * max(self.initial_loss, 1e-12):
+            return Outcome.DIVERGED
+        if (c.target_suboptimality is not None and "suboptimality" in record
+                and record["suboptimality"] <= c.target_suboptimality):
+            return Outcome.TARGET
+        if self.epochs >= c.epochs - 1e-9 or (c.time_limit is not None and self.train_time >= c.time_limit):
+            return Outcome.BUDGET
+        return Outcome.CONTINUE
+
+    def _summary(self, record: dict, outcome: Outcome) -> None:
+        c = self.config
+        rate = self.updates / self.train_time if self.train_time else 0.0
+        shown = ", ".join(f"{k} {v:.6g}" for k, v in record.items()
+                          if k in ("loss", "suboptimality", "test_accuracy", "test_rmse"))
+        print(f"VFB²-{c.algorithm} ({c.mode}) on {c.dataset if c.party_files is None else c.party_files}, "
+              f"q={c.parties}, m={c.active}: {self.epochs:g} epochs, {self.updates} dominated updates in "
+              f"{self.train_time:.2f} s of training ({rate:,.0f}/s); {shown}.\n"
+              f"Metrics: {self.out / 'metrics.jsonl'}; each party's block: {self.out}/party-<rank>.ckpt.npz",
+              flush=True)
+        summary = {"outcome": outcome.name.lower(), "epochs": self.epochs, "updates": self.updates,
+                   "train_time": self.train_time, "gamma": c.gamma, "record": record}
+        (self.out / "result.json").write_text(json.dumps(summary) + "\n")
+
+    # ---------------------------------------------------------------------------------- collectives
+
+    def _sum_over_parties(self, value: int) -> int:
+        mine = np.array([value], dtype=np.int64)
+        total = np.empty(1, dtype=np.int64)
+        self.rt.ctrl.Allreduce(mine, total, op=MPI.SUM)
+        return int(total[0])
+
+    def _evaluate(self) -> dict | None:
+        """f(w), f(w) − f*, test accuracy / RMSE at the leader; not counted as training time."""
+        z = self.rt.full_scores(root=LEADER)
+        reg = self.rt.regularizer_sum(root=LEADER)
+        has_test = np.array([self.party.test_block is not None], dtype=np.int8)
+        self.rt.ctrl.Bcast(has_test, root=LEADER)
+        z_test = self.rt.full_scores(test=True, root=LEADER) if has_test[0] else None
+        if self.rank != LEADER:
+            return None
+        problem = self.party.problem
+        assert problem is not None and z is not None and reg is not None
+        loss = float(np.mean(problem.loss.value(z, self.party.y)) + reg)
+        record: dict = {"epoch": round(self.epochs, 6), "time": round(self.train_time, 6),
+                        "updates": self.updates, "loss": loss}
+        if self.config.f_star is not None:
+            record["suboptimality"] = loss - self.config.f_star
+        if z_test is not None:
+            key = "test_accuracy" if problem.task == "binary" else "test_rmse"
+            record[key] = _score(problem.task, z_test, self.party.y_test)
+        assert self.log is not None
+        self.log.write(json.dumps(record) + "\n")
+        self.log.flush()
+        if self.bar is not None:
+            self.bar.n = self.epochs
+            self.bar.set_postfix({k: f"{v:.3g}" for k, v in record.items() if k in
+                                  ("loss", "suboptimality", "test_accuracy", "test_rmse")})
+        return record
+
+
+def _score(task: str, z: np.ndarray, y: np.ndarray) -> float:
+    from vfl.metrics import accuracy, rmse
+
+    if task == "binary":
+        return accuracy(y, np.where(z >= 0, 1.0, -1.0))
+    return rmse(y, z)
