@@ -39,7 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from parties.config import RunConfig
-from parties.launch import EXIT_CODES, launch
+from parties.launch import launch
+from parties.outcomes import EXIT_CODES
 from vfl.datasets import Dataset, get_spec, list_datasets, load
 from vfl.problems import get_problem
 from vfl.reference import evaluate, solve_reference

@@ -19,12 +19,8 @@ from pathlib import Path
 
 from parties.checkpoint import MANIFEST, complete_epochs
 from parties.config import ConfigError, RunConfig, validate
+from parties.outcomes import EXIT_CODES, divergence_advice
 from vfl.problems import get_problem
-
-#: The exit codes of ``vfl train`` (documented in the README): 2 is a user mistake found before any
-#: rank starts, like every ``vfl`` command's.
-EXIT_CODES = {"ok": 0, "failed": 1, "usage": 2, "diverged": 3, "target_missed": 4, "interrupted": 130}
-
 
 # ------------------------------------------------------------------------------------------ launcher
 
@@ -77,6 +73,10 @@ def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None) -> int
         return _interrupted(out)
     if code == -signal.SIGINT or code == 128 + signal.SIGINT:
         return _interrupted(out)
+    if code == EXIT_CODES["diverged"] and "left the secure aggregation's range" in output:
+        print(f"vfl train: diverged: the scores left the secure aggregation's range; "
+              f"{divergence_advice(config.gamma)}", file=sys.stderr)
+        return code
     if code != 0:
         culprit = _failed_party(output, watch.first(output))
         print(f"vfl train: the job failed (exit code {code}){culprit}. Checkpoints, if any, are in "
@@ -104,7 +104,7 @@ def _outcome(config: RunConfig, out: Path) -> int:
     record = result.get("record", {})
     if result["outcome"] == "diverged":
         print(f"vfl train: diverged at epoch {record.get('epoch', 0):g} (loss {record.get('loss')}): "
-              f"try a smaller --gamma (tried {config.gamma:g})", file=sys.stderr)
+              f"{divergence_advice(config.gamma)}", file=sys.stderr)
         return EXIT_CODES["diverged"]
     target = config.target_suboptimality
     if target is not None and result["outcome"] != "target":
@@ -121,7 +121,9 @@ def run_mpi_module(ranks: int, module: str, args: list[str], *,
 
     The job's output passes through unchanged (progress bars included); the last 64 KiB of it are
     returned with the exit code to explain a failure. ``python -m mpi4py`` makes an uncaught
-    exception in any rank abort the whole job instead of hanging it.
+    exception in any rank abort the whole job instead of hanging it. On Ctrl-C the job is stopped
+    (SIGINT to ``mpiexec``, which forwards it; SIGKILL after 10 s), the ranks' interrupted tracebacks
+    are not shown, and ``KeyboardInterrupt`` propagates once the job is gone.
     """
     import os
 
@@ -133,11 +135,20 @@ def run_mpi_module(ranks: int, module: str, args: list[str], *,
     assert proc.stdout is not None
     tail = bytearray()
     fd = proc.stdout.fileno()
-    while chunk := os.read(fd, 65536):
-        sys.stdout.buffer.write(chunk)
-        sys.stdout.buffer.flush()
-        tail += chunk
-        del tail[:-65536]
+    try:
+        while chunk := os.read(fd, 65536):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+            tail += chunk
+            del tail[:-65536]
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
     return proc.wait(), tail.decode(errors="replace")
 
 

@@ -20,7 +20,9 @@ def run_party(config: RunConfig) -> None:
     from mpi4py import MPI
 
     from parties.loading import load_party
+    from parties.runtime import abort_diverged
     from parties.training import train
+    from protocols.masking import AggregationOverflowError
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -35,6 +37,8 @@ def run_party(config: RunConfig) -> None:
         raise
     try:
         train(comm, party, config)
+    except AggregationOverflowError:
+        abort_diverged(comm, rank)
     except Exception as err:  # python -m mpi4py then aborts the whole job
         print(f"[party {rank}] fatal error: {err!r}", file=sys.stderr, flush=True)
         raise

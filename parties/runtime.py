@@ -31,8 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from parties.outcomes import EXIT_CODES
 from protocols.aggregation import AggregationNode, Completed, Requested
 from protocols.dispatch import Inbox, pack
+from protocols.masking import AggregationOverflowError
 from protocols.secure_aggregation import SecureAggregator
 from protocols.transport import AGGREGATION_TAG
 from protocols.trees import build_all_tree_pairs
@@ -67,6 +69,16 @@ class PartyState:
     @property
     def active(self) -> bool:
         return self.y is not None
+
+
+def abort_diverged(comm: MPI.Comm, rank: int) -> None:
+    """End the job because a score left the fixed-point range of the secure aggregation: the model
+    diverged (the launcher turns the exit code into advice on --gamma)."""
+    import sys
+
+    print(f"[party {rank}] the scores left the secure aggregation's range: the model diverged",
+          file=sys.stderr, flush=True)
+    comm.Abort(EXIT_CODES["diverged"])
 
 
 class _Sender:
@@ -149,6 +161,8 @@ class PartyRuntime:
         def run(*args) -> None:
             try:
                 body(*args)
+            except AggregationOverflowError:
+                abort_diverged(self.data, self.rank)
             except BaseException as exc:
                 import sys
                 import traceback
@@ -156,7 +170,7 @@ class PartyRuntime:
                 print(f"[party {self.rank}] fatal error in thread {threading.current_thread().name}: "
                       f"{exc!r}", file=sys.stderr, flush=True)
                 traceback.print_exc()
-                MPI.COMM_WORLD.Abort(3)
+                self.data.Abort(EXIT_CODES["failed"])
 
         return run
 

@@ -15,7 +15,6 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from enum import IntEnum
 from pathlib import Path
 
 import numpy as np
@@ -23,21 +22,13 @@ from mpi4py import MPI
 
 from parties.checkpoint import load_checkpoint, mark_complete, save_checkpoint
 from parties.config import RunConfig
+from parties.outcomes import Outcome
 from parties.runtime import PartyRuntime, PartyState
 from vfl.algorithms.registry import get_algorithm
 
 LEADER = 0
 #: A loss above this multiple of the initial loss (or non-finite) means the run diverged.
 DIVERGENCE_FACTOR = 10.0
-
-
-class Outcome(IntEnum):
-    """Why training stopped (or that it goes on), as the leader broadcasts it."""
-
-    CONTINUE = 0
-    BUDGET = 1  # --epochs or --time-limit used up
-    TARGET = 2  # --target-suboptimality reached
-    DIVERGED = 3  # loss non-finite or above DIVERGENCE_FACTOR × the initial loss
 
 
 @dataclass
@@ -92,6 +83,10 @@ class _Trainer:
             ckpt = load_checkpoint(self.out, self.rank, party.block.n_cols)
             party.w[:] = ckpt.w
             self.epochs, self.train_time, self.updates = ckpt.epochs, ckpt.train_time, ckpt.updates
+            if self.rank == LEADER:
+                print(f"resuming from epoch {ckpt.epochs:g}, the newest epoch every party completed "
+                      f"({ckpt.updates} dominated updates, {ckpt.train_time:.2f} s of training so far)",
+                      flush=True)
         if self.rank == LEADER:
             self.out.mkdir(parents=True, exist_ok=True)
             self.log = open(self.out / "metrics.jsonl", "a" if config.resume else "w")  # noqa: SIM115

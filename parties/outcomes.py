@@ -1,0 +1,27 @@
+"""How a VFB² job can end, and the exit code ``vfl train`` returns for each (one place for both).
+
+The leader decides the outcome of training (:class:`Outcome`) and broadcasts it as one word; a rank
+that finds the model has left the secure aggregation's fixed-point range aborts the job with
+``EXIT_CODES["diverged"]``, so the launcher gives the same advice for both ways of diverging.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Outcome(IntEnum):
+    """Why training stopped (or that it goes on), as the leader broadcasts it."""
+
+    CONTINUE = 0
+    BUDGET = 1  # --epochs or --time-limit used up
+    TARGET = 2  # --target-suboptimality reached
+    DIVERGED = 3  # loss non-finite or far above the initial loss
+
+
+#: Exit codes of ``vfl train``; 2 is a user mistake found before any rank starts, as for every command.
+EXIT_CODES = {"ok": 0, "failed": 1, "usage": 2, "diverged": 3, "target_missed": 4, "interrupted": 130}
+
+
+def divergence_advice(gamma: float) -> str:
+    return f"try a smaller --gamma (tried {gamma:g})"
