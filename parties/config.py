@@ -42,7 +42,8 @@ class RunConfig:
     seed: int = 0
     straggler: int | None = None
     slowdown: float = 0.4
-    out: str = "runs/latest"
+    out: str | None = None
+    overwrite: bool = False
     resume: bool = False
     progress: bool = True
     f_star: float | None = None
@@ -134,7 +135,8 @@ def _validate_data(c: RunConfig) -> None:
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Add the training options to ``parser`` (or a new one)."""
-    p = parser or argparse.ArgumentParser(description="Train a VFB² model over q MPI parties.")
+    p = parser or argparse.ArgumentParser(description="Train a VFB² model over q MPI parties.",
+                                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = RunConfig()
     p.add_argument("-n", "--parties", type=int, default=d.parties, help="q, number of parties (MPI ranks)")
     p.add_argument("-m", "--active", type=int, default=d.active,
@@ -159,8 +161,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--straggler", type=int, default=None, help="rank of an injected straggler party")
     p.add_argument("--slowdown", type=float, default=d.slowdown, help="straggler's extra time fraction")
-    p.add_argument("--out", default=d.out, help="folder for metrics.jsonl and each party's block")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    p.add_argument("--out", default=None,
+                   help="folder of this run: metrics, each party's block (default: a new "
+                        "runs/<time>-<dataset>, with runs/latest pointing to it)")
+    p.add_argument("--overwrite", action="store_true", help="reuse an --out folder that holds another run")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --out (default: runs/latest)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--f-star", type=float, default=None, help="known optimum f* (skips the NonF solve)")
     p.add_argument("--allow-two-parties", action="store_true",

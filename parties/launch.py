@@ -49,7 +49,9 @@ def reference_f_star(config: RunConfig) -> float:
 def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None) -> int:
     """Validate, prepare and run a job under ``mpiexec``; returns the exit code (:data:`EXIT_CODES`)."""
     validate(config)
-    out = Path(config.out)
+    chosen_for_the_user = config.out is None and not config.resume
+    out = run_folder(config)
+    config.out = str(out)
     if config.resume:
         complete_epochs(out)  # a missing or damaged checkpoint is a usage error, found before mpiexec
     if config.f_star is None and config.party_files is None:
@@ -61,10 +63,13 @@ def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None) -> int
     except OSError as err:
         raise ConfigError(f"--out {out}: cannot write there ({err.strerror})") from None
     stale = [*out.glob("party-*.pid"), out / "result.json"]
-    if not config.resume:
-        stale.append(out / MANIFEST)
+    if not config.resume:  # a fresh run (--overwrite): nothing of the old one may survive
+        stale += [out / MANIFEST, out / "metrics.jsonl", *out.glob("party-*.ckpt.npz"),
+                  *out.glob("predictions-*.csv"), *out.glob("audit-*.npz")]
     for path in stale:
         path.unlink(missing_ok=True)
+    if chosen_for_the_user:
+        _point_latest_to(out)
     watch = FirstDeath(out, config.parties)
     try:
         code, output = run_mpi_module(config.parties, "parties.rank", ["--config", str(config_path)],
@@ -83,6 +88,47 @@ def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None) -> int
               f"{out} (--resume continues from them).", file=sys.stderr)
         return EXIT_CODES["failed"]
     return _outcome(config, out)
+
+
+RUNS, LATEST = "runs", "latest"
+
+
+def run_folder(config: RunConfig) -> Path:
+    """The run's folder: ``--out``, or a new ``runs/<time>-<dataset>`` (``--resume``: ``runs/latest``).
+
+    A folder holding another run is never reused silently: that takes ``--resume`` or ``--overwrite``.
+    """
+    if config.out is None:
+        if config.resume:
+            return Path(RUNS, LATEST).resolve()
+        name = "party-files" if config.party_files is not None else config.dataset
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        out = Path(RUNS, f"{stamp}-{name}")
+        suffix = 1
+        while out.exists():
+            suffix += 1
+            out = Path(RUNS, f"{stamp}-{name}-{suffix}")
+        return out
+    out = Path(config.out)
+    if (out / "config.json").exists() and not (config.resume or config.overwrite):
+        raise ConfigError(f"--out {out} holds another run: pass --resume to continue it, --overwrite to "
+                          "replace it, or another --out")
+    return out
+
+
+def _point_latest_to(out: Path) -> None:
+    """``runs/latest`` → this run (a symlink, replaced atomically); a real folder there is left alone."""
+    import os
+
+    latest = Path(RUNS, LATEST)
+    try:
+        latest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = latest.with_name(f".latest-{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(out.resolve(), target_is_directory=True)
+        os.replace(tmp, latest)
+    except OSError:
+        pass  # a convenience only: the run itself is in `out`
 
 
 def _interrupted(out: Path) -> int:

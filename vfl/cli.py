@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from parties.config import build_parser as training_options
 
-    p = sub.add_parser("train", help="train VFB² over q MPI parties (starts mpiexec)")
+    p = sub.add_parser("train", help="train VFB² over q MPI parties (starts mpiexec)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     training_options(p)
     p.set_defaults(func=_cmd_train)
 

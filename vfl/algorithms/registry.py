@@ -33,7 +33,7 @@ class VFLAlgorithm:
 
 def _rule_summary(rule: type[UpdateRule]) -> str:
     doc = (rule.__doc__ or rule.name).strip().splitlines()[0]
-    return doc.rstrip(".")
+    return doc.replace("``", "").rstrip(".")
 
 
 ALGORITHMS: dict[str, VFLAlgorithm] = {

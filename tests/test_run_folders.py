@@ -1,0 +1,53 @@
+"""Where a run's files go and which defaults it uses: the same whatever options are given, shown in
+``--help``, and a finished run is never overwritten silently."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from parties.config import ConfigError, RunConfig, build_parser, from_args
+from parties.launch import run_folder
+from tests.conftest import REPO_ROOT
+from vfl.algorithms.registry import ALGORITHMS
+
+
+@pytest.mark.mpi
+def test_the_quickstart_job_gets_its_own_folder_and_the_documented_defaults(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    for _ in range(2):
+        proc = subprocess.run([str(REPO_ROOT / "mpirun.sh"), "--no-progress"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=240, check=False)
+        assert proc.returncode == 0, proc.stderr
+    runs = sorted(p for p in (tmp_path / "runs").iterdir() if not p.is_symlink())
+    assert len(runs) == 2 and all(p.name.endswith("breast-cancer") for p in runs)
+    assert (tmp_path / "runs" / "latest").resolve() == runs[-1].resolve()
+    used = json.loads((runs[-1] / "config.json").read_text())
+    assert (used["lam"], used["gamma"]) == (RunConfig().lam, RunConfig().gamma)
+
+
+def test_options_do_not_change_the_defaults_of_other_options():
+    plain = from_args(build_parser().parse_args([]))
+    with_out = from_args(build_parser().parse_args(["--out", "somewhere", "--epochs", "3"]))
+    assert (plain.lam, plain.gamma, plain.algorithm) == (with_out.lam, with_out.gamma, with_out.algorithm)
+
+
+def test_help_shows_every_default_and_every_registered_algorithm():
+    text = subprocess.run([sys.executable, "-m", "vfl.cli", "train", "--help"], cwd=REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
+                          check=True).stdout
+    assert f"(default: {RunConfig().gamma})" in text and f"(default: {RunConfig().lam})" in text
+    for name in ALGORITHMS:
+        assert name in text
+
+
+def test_a_finished_run_is_not_overwritten_silently(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"holds another run: pass --resume .* --overwrite"):
+        run_folder(RunConfig(out=str(tmp_path)))
+    assert run_folder(RunConfig(out=str(tmp_path), overwrite=True)) == tmp_path
+    assert run_folder(RunConfig(out=str(tmp_path), resume=True)) == tmp_path
