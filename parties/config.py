@@ -113,6 +113,7 @@ def _validate_data(c: RunConfig) -> None:
         if missing:
             raise ConfigError(f"--party-files {folder}: missing {', '.join(missing)} "
                               f"(write them with `vfl split`)")
+        _check_party_files(c, folder)
         return
     from vfl.datasets import DatasetNotFoundError, get_spec, load
 
@@ -131,6 +132,24 @@ def _validate_data(c: RunConfig) -> None:
     if ds.n_features < c.parties:
         raise ConfigError(f"dataset {c.dataset!r} has {ds.n_features} features: cannot give each of "
                           f"{c.parties} parties at least one")
+
+
+def _check_party_files(c: RunConfig, folder: Path) -> None:
+    """Each file loads, labels are where ``--active`` says, and the rows line up across the parties.
+
+    Checked here, before ``mpiexec``, when the files are all on this machine; each rank checks again
+    (the ids by digest) in a deployment across hosts.
+    """
+    from vfl.datasets.party_files import check_aligned, load_party_file
+    from vfl.problems import PROBLEMS
+
+    task = PROBLEMS[c.problem].task
+    try:
+        parties = [load_party_file(folder / f"party-{p}.npz", expect_labels=p < c.active, task=task)
+                   for p in range(c.parties)]
+        check_aligned(parties)
+    except ValueError as err:
+        raise ConfigError(f"--party-files {folder}: {err}") from None
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ first, a divergence, a target not reached, an interrupt.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -78,9 +79,10 @@ def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None) -> int
         return _interrupted(out)
     if code == -signal.SIGINT or code == 128 + signal.SIGINT:
         return _interrupted(out)
-    if code == EXIT_CODES["diverged"] and "left the secure aggregation's range" in output:
-        print(f"vfl train: diverged: the scores left the secure aggregation's range; "
-              f"{divergence_advice(config.gamma)}", file=sys.stderr)
+    stopped = re.search(r"\[party \d+\] stop: (.*)", output)
+    if stopped and code in EXIT_CODES.values():
+        advice = f"; {divergence_advice(config.gamma)}" if code == EXIT_CODES["diverged"] else ""
+        print(f"vfl train: {stopped.group(1)}{advice}", file=sys.stderr)
         return code
     if code != 0:
         culprit = _failed_party(output, watch.first(output))
@@ -253,8 +255,6 @@ class FirstDeath:
 def first_to_die(gone_first: set[int], pids: dict[int, int], output: str) -> int | None:
     """The first rank to die among those the watcher found ``gone_first``; ties go to the rank whose PID
     Hydra's "BAD TERMINATION" banner names, else to the lowest rank."""
-    import re
-
     if len(gone_first) > 1:
         banner = re.search(r"BAD TERMINATION.*?\n=\s+PID (\d+)", output, re.DOTALL)
         by_pid = {pid: rank for rank, pid in pids.items()}
@@ -266,8 +266,6 @@ def first_to_die(gone_first: set[int], pids: dict[int, int], output: str) -> int
 
 def _failed_party(output: str, first_dead: int | None) -> str:
     """", party N ..." for the party that reported a fatal error, or else the first one that died."""
-    import re
-
     named = re.search(r"\[party (\d+)\]", output)
     if named:
         return f": party {named.group(1)} failed (see its message above)"

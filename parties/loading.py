@@ -7,6 +7,7 @@ machine). The loss goes only to active parties: passive parties never see it.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ def load_party(config: RunConfig, rank: int) -> PartyState:
 
         data = load_party_file(Path(config.party_files) / party_file_name(rank), expect_labels=active)
         X_train, X_test, y_train, y_test = data.X_train, data.X_test, data.y_train, data.y_test
+        train_ids, test_ids = data.train_ids, data.test_ids
     else:
         from vfl.datasets import load
         from vfl.partition import block_of, random_blocks
@@ -34,6 +36,7 @@ def load_party(config: RunConfig, rank: int) -> PartyState:
         cols = random_blocks(ds.n_features, config.parties, seed=config.seed)[rank]
         X_train, X_test = block_of(ds.X_train, cols), block_of(ds.X_test, cols)
         y_train, y_test = (ds.y_train, ds.y_test) if active else (None, None)
+        train_ids, test_ids = np.arange(ds.n_train), np.arange(ds.n_test)
     problem = get_problem(config.problem, lam=config.lam)
     block = Block.from_matrix(X_train)
     rule = get_algorithm(config.algorithm).rule(block, problem.regularizer, problem.lam, config.gamma)
@@ -43,4 +46,14 @@ def load_party(config: RunConfig, rank: int) -> PartyState:
         problem=problem if active else None,
         y=None if y_train is None else np.asarray(y_train, dtype=np.float64),
         test_block=Block.from_matrix(X_test) if has_test else None,
-        y_test=None if y_test is None or not has_test else np.asarray(y_test, dtype=np.float64))
+        y_test=None if y_test is None or not has_test else np.asarray(y_test, dtype=np.float64),
+        ids_digest=ids_digest(train_ids, test_ids))
+
+
+def ids_digest(train_ids: np.ndarray, test_ids: np.ndarray) -> bytes:
+    """SHA-256 of the sample ids in row order: parties compare digests, never the ids themselves."""
+    h = hashlib.sha256()
+    for ids in (train_ids, test_ids):
+        h.update(np.int64(ids.size).tobytes())
+        h.update(np.ascontiguousarray(ids, dtype="<i8").tobytes())
+    return h.digest()

@@ -20,8 +20,8 @@ def run_party(config: RunConfig) -> None:
     from mpi4py import MPI
 
     from parties.loading import load_party
-    from parties.runtime import abort_diverged
-    from parties.training import train
+    from parties.runtime import OUT_OF_RANGE, stop_job
+    from parties.training import MisalignedError, train
     from protocols.masking import AggregationOverflowError
 
     comm = MPI.COMM_WORLD
@@ -38,7 +38,9 @@ def run_party(config: RunConfig) -> None:
     try:
         train(comm, party, config)
     except AggregationOverflowError:
-        abort_diverged(comm, rank)
+        stop_job(comm, rank, "diverged", OUT_OF_RANGE)
+    except MisalignedError as err:
+        stop_job(comm, rank, "usage", str(err))
     except Exception as err:  # python -m mpi4py then aborts the whole job
         print(f"[party {rank}] fatal error: {err!r}", file=sys.stderr, flush=True)
         raise

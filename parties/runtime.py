@@ -65,20 +65,25 @@ class PartyState:
     y: np.ndarray | None = None
     test_block: Block | None = None
     y_test: np.ndarray | None = None
+    #: SHA-256 of the party's train and test sample ids, in order: equal at every party iff aligned.
+    ids_digest: bytes = bytes(32)
 
     @property
     def active(self) -> bool:
         return self.y is not None
 
 
-def abort_diverged(comm: MPI.Comm, rank: int) -> None:
-    """End the job because a score left the fixed-point range of the secure aggregation: the model
-    diverged (the launcher turns the exit code into advice on --gamma)."""
+def stop_job(comm: MPI.Comm, rank: int, outcome: str, reason: str) -> None:
+    """End the whole job for a reason the user must read (not a crash): one line ``[party r] stop: …``
+    that the launcher repeats, and the exit code of ``outcome`` (:data:`parties.outcomes.EXIT_CODES`)."""
     import sys
 
-    print(f"[party {rank}] the scores left the secure aggregation's range: the model diverged",
-          file=sys.stderr, flush=True)
-    comm.Abort(EXIT_CODES["diverged"])
+    print(f"[party {rank}] stop: {reason}", file=sys.stderr, flush=True)
+    comm.Abort(EXIT_CODES[outcome])
+
+
+#: Why a job stops when a score cannot be aggregated.
+OUT_OF_RANGE = "the scores left the secure aggregation's range: the model diverged"
 
 
 class _Sender:
@@ -162,7 +167,7 @@ class PartyRuntime:
             try:
                 body(*args)
             except AggregationOverflowError:
-                abort_diverged(self.data, self.rank)
+                stop_job(self.data, self.rank, "diverged", OUT_OF_RANGE)
             except BaseException as exc:
                 import sys
                 import traceback

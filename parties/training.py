@@ -48,6 +48,7 @@ def train(comm: MPI.Comm, party: PartyState, config: RunConfig) -> TrainResult:
     ``party.w`` holds the trained block afterwards; checkpoints and the leader's metrics go to
     ``config.out``.
     """
+    check_aligned(comm, party)
     algorithm = get_algorithm(config.algorithm)
     runtime = PartyRuntime(
         comm, party, active_ranks=list(range(config.active)), threads=config.worker_threads,
@@ -59,6 +60,25 @@ def train(comm: MPI.Comm, party: PartyState, config: RunConfig) -> TrainResult:
     if config.audit:
         runtime.save_transcript(Path(config.out) / f"audit-{runtime.rank}.npz")
     return result
+
+
+class MisalignedError(ValueError):
+    """The parties' rows are not the same samples in the same order."""
+
+
+def check_aligned(comm: MPI.Comm, party: PartyState) -> None:
+    """Every party's sample ids, in row order, must be the leader's (collective; digests only).
+
+    Training on misaligned rows would silently fit noise, so it is refused on every rank, naming the
+    parties whose rows differ. Only 32-byte digests cross: no party learns another's ids.
+    """
+    mine = np.frombuffer(party.ids_digest, dtype=np.uint8)
+    every = np.empty((comm.Get_size(), mine.size), dtype=np.uint8)
+    comm.Allgather(mine, every)
+    differ = [r for r in range(comm.Get_size()) if not np.array_equal(every[r], every[LEADER])]
+    if differ:
+        raise MisalignedError(f"the rows of parties {differ} are not the same samples as party {LEADER}'s "
+                              "(different sample ids or order): align the files first")
 
 
 class _Trainer:
