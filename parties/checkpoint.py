@@ -1,15 +1,17 @@
 """Per-party checkpoints: each party saves only its own block (never anyone else's), consistently.
 
-A party's checkpoint is ``<out>/party-<rank>.ckpt.npz``: its block ``w``, the epochs and dominated
+A party's checkpoint is ``party-<rank>.ckpt.npz`` in the party's own folder (``--party-dir``, by
+default the run's ``--out``; only that party writes or reads it): its block ``w``, the epochs and dominated
 updates done and the training time spent. The algorithm state (SVRG snapshot, SAGA table) is rebuilt
 from the restored ``w`` by the next full pass, which is the same as starting a new outer loop there.
 
 Why a manifest: an interrupt can stop the parties between their writes, leaving some blocks one
 epoch ahead of the others, and mixing them would resume from a model no run ever had. So an epoch is
 *complete* only when every party has written it; then the leader records it in
-``<out>/checkpoint.json`` (atomically). Each party keeps its previous block as
-``party-<rank>.prev.ckpt.npz`` until the next epoch is complete, so the complete epoch can always be
-found, in one file or the other. ``--resume`` takes the complete epoch and says which.
+``<out>/checkpoint.json`` (atomically) and tells the others which epoch that is. Each party keeps its
+previous block as ``party-<rank>.prev.ckpt.npz`` until the next epoch is complete, so the complete
+epoch can always be found, in one file or the other. ``--resume`` takes the complete epoch and says
+which.
 """
 
 from __future__ import annotations
@@ -78,12 +80,12 @@ def complete_epochs(out: str | Path) -> float:
         raise ValueError(f"{path} is damaged: start without --resume") from None
 
 
-def load_checkpoint(out: str | Path, rank: int, n_features: int) -> Checkpoint:
-    """This party's block of the newest complete epoch; stale temporary files are removed."""
-    epochs = complete_epochs(out)
-    for stale in Path(out).glob(f"party-{rank}.*.tmp"):
+def load_checkpoint(folder: str | Path, rank: int, n_features: int, epochs: float) -> Checkpoint:
+    """This party's block of the complete epoch ``epochs`` (the leader's :func:`complete_epochs`) from
+    its own folder; stale temporary files there are removed."""
+    for stale in Path(folder).glob(f"party-{rank}.*.tmp"):
         stale.unlink()
-    for path in (checkpoint_path(out, rank), _previous_path(out, rank)):
+    for path in (checkpoint_path(folder, rank), _previous_path(folder, rank)):
         if not path.exists():
             continue
         with np.load(path) as z:
@@ -94,4 +96,4 @@ def load_checkpoint(out: str | Path, rank: int, n_features: int) -> Checkpoint:
                 raise ValueError(f"party {rank}: checkpoint {path} has a block of {w.shape[0]} features, "
                                  f"this party holds {n_features}")
             return Checkpoint(w, epochs, float(z["train_time"]), int(z["updates"]))
-    raise FileNotFoundError(f"party {rank}: no checkpoint of the complete epoch {epochs:g} in {out}")
+    raise FileNotFoundError(f"party {rank}: no checkpoint of the complete epoch {epochs:g} in {folder}")

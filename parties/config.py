@@ -43,12 +43,20 @@ class RunConfig:
     straggler: int | None = None
     slowdown: float = 0.4
     out: str | None = None
+    party_dir: str | None = None
     overwrite: bool = False
     resume: bool = False
     progress: bool = True
     f_star: float | None = None
     allow_two_parties: bool = False
     audit: bool = False
+
+    def party_folder(self, rank: int) -> Path:
+        """Where party ``rank`` keeps its block and checkpoints: only that rank writes or reads there."""
+        if self.party_dir is not None:
+            return Path(self.party_dir.format(rank=rank))
+        assert self.out is not None, "the launcher sets out before any rank starts"
+        return Path(self.out)
 
     @property
     def worker_threads(self) -> int:
@@ -98,6 +106,14 @@ def validate(config: RunConfig) -> RunConfig:
         raise ConfigError("--target-suboptimality must be positive")
     if c.time_limit is not None and c.time_limit <= 0:
         raise ConfigError("--time-limit must be positive (seconds)")
+    if c.party_dir is not None:
+        try:
+            distinct = {c.party_dir.format(rank=r) for r in range(c.parties)}
+        except (KeyError, IndexError, ValueError):
+            distinct = set()
+        if "{rank}" not in c.party_dir or len(distinct) != c.parties:
+            raise ConfigError(f"--party-dir must contain {{rank}} (one folder per party), "
+                              f"got {c.party_dir!r}")
     _validate_data(c)
     return c
 
@@ -183,6 +199,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--out", default=None,
                    help="folder of this run: metrics, each party's block (default: a new "
                         "runs/<time>-<dataset>, with runs/latest pointing to it)")
+    p.add_argument("--party-dir", default=None, metavar="TEMPLATE",
+                   help="each party's own folder for its block and checkpoints, e.g. /srv/org{rank}/model "
+                        "(default: --out)")
     p.add_argument("--overwrite", action="store_true", help="reuse an --out folder that holds another run")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --out (default: runs/latest)")

@@ -1,6 +1,7 @@
 """``vfl predict``: scores of a trained VFB² model, computed through secure aggregation.
 
-Nobody holds the whole model: party l keeps its block w_l (``<run>/party-<l>.ckpt.npz``). Prediction
+Nobody holds the whole model: party l keeps its block w_l in its own folder (``--party-dir``, by
+default the run folder) and loads only that; the leader tells the others which epoch to use. Prediction
 is therefore the same Algorithm-1 aggregation as training, batched over the rows to score: every
 party contributes its masked w_l·x_i^(l) and only the leader (rank 0) learns z_i = w·x_i. The leader
 writes ``predictions.csv`` (sample id, score, and the predicted label for classification).
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from parties.checkpoint import checkpoint_path, complete_epochs, load_checkpoint
 from parties.config import RunConfig
 
 LEADER = 0
@@ -31,14 +33,23 @@ def predict(run_dir: str | Path, *, split: str = "test", output: str | Path | No
         raise FileNotFoundError(f"{config_path} not found: pass the --out folder of a `vfl train` run")
     if split not in ("train", "test"):
         raise ValueError(f"--split must be 'train' or 'test', got {split!r}")
-    config = RunConfig.from_json(config_path.read_text())
-    missing = [r for r in range(config.parties) if not (run / f"party-{r}.ckpt.npz").exists()]
-    if missing:
-        raise FileNotFoundError(f"{run}: no trained block for parties {missing} (party-<rank>.ckpt.npz)")
+    config = _run_config(run)
+    complete_epochs(run)  # a run that never completed an epoch has nothing to predict with
+    if config.party_dir is None:  # all blocks are here: check now rather than in the ranks
+        missing = [r for r in range(config.parties) if not checkpoint_path(run, r).exists()]
+        if missing:
+            raise FileNotFoundError(f"{run}: no trained block for parties {missing} (party-<rank>.ckpt.npz)")
     target = Path(output) if output is not None else run / f"predictions-{split}.csv"
     code, _ = run_mpi_module(config.parties, "parties.predict",
                              ["--run", str(run), "--split", split, "--output", str(target)])
     return code
+
+
+def _run_config(run: Path) -> RunConfig:
+    """The run's configuration, with ``out`` where the run folder is now (it may have moved)."""
+    config = RunConfig.from_json((run / "config.json").read_text())
+    config.out = str(run)
+    return config
 
 
 def _party_rows(config: RunConfig, rank: int, split: str):
@@ -56,14 +67,17 @@ def run_predict(run: Path, split: str, output: Path) -> None:
     """One rank: load the block and this party's rows, aggregate securely, leader writes the CSV."""
     from mpi4py import MPI
 
-    from parties.checkpoint import load_checkpoint
     from protocols.secure_aggregation import SecureAggregator
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    config = RunConfig.from_json((run / "config.json").read_text())
+    config = _run_config(run)
     block, party = _party_rows(config, rank, split)
-    w = load_checkpoint(run, rank, block.n_cols).w
+    epochs = np.zeros(1)
+    if rank == LEADER:
+        epochs[0] = complete_epochs(run)
+    comm.Bcast(epochs, root=LEADER)
+    w = load_checkpoint(config.party_folder(rank), rank, block.n_cols, float(epochs[0])).w
     aggregator = SecureAggregator.over_mpi(comm, seed=config.seed, allow_leaky_q2=config.allow_two_parties)
     indices = np.arange(block.n_rows) if rank == LEADER else None
     z = aggregator.inner_product(w, block.to_csr(), indices, root=LEADER)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from parties.checkpoint import load_checkpoint, mark_complete, save_checkpoint
+from parties.checkpoint import complete_epochs, load_checkpoint, mark_complete, save_checkpoint
 from parties.config import RunConfig
 from parties.outcomes import Outcome
 from parties.runtime import PartyRuntime, PartyState
@@ -94,13 +94,18 @@ class _Trainer:
         self.updates = 0
         self.initial_loss: float | None = None
         self.out = Path(config.out)
+        self.folder = config.party_folder(self.rank)
         self.log = None
         self.bar = None
 
     def run(self) -> TrainResult:
         config, party = self.config, self.party
         if config.resume:
-            ckpt = load_checkpoint(self.out, self.rank, party.block.n_cols)
+            epochs = np.zeros(1)
+            if self.rank == LEADER:
+                epochs[0] = complete_epochs(self.out)
+            self.rt.ctrl.Bcast(epochs, root=LEADER)
+            ckpt = load_checkpoint(self.folder, self.rank, party.block.n_cols, float(epochs[0]))
             party.w[:] = ckpt.w
             self.epochs, self.train_time, self.updates = ckpt.epochs, ckpt.train_time, ckpt.updates
             if self.rank == LEADER:
@@ -140,7 +145,7 @@ class _Trainer:
             self.updates += done_all
             self.epochs += done_all / n if config.time_limit is not None else segment  # cut short?
             record = self._evaluate()
-            save_checkpoint(self.out, self.rank, party.w, self.epochs, self.train_time, self.updates)
+            save_checkpoint(self.folder, self.rank, party.w, self.epochs, self.train_time, self.updates)
             self.rt.ctrl.Barrier()  # every party has written this epoch's block: it is complete
             if self.rank == LEADER:
                 mark_complete(self.out, self.epochs)
@@ -189,7 +194,8 @@ class _Trainer:
         print(f"VFB²-{c.algorithm} ({c.mode}) on {c.dataset if c.party_files is None else c.party_files}, "
               f"q={c.parties}, m={c.active}: {self.epochs:g} epochs, {self.updates} dominated updates in "
               f"{self.train_time:.2f} s of training ({rate:,.0f}/s); {shown}.\n"
-              f"Metrics: {self.out / 'metrics.jsonl'}; each party's block: {self.out}/party-<rank>.ckpt.npz",
+              f"Metrics: {self.out / 'metrics.jsonl'}; each party's block: "
+              f"{c.party_dir or self.out}/party-<rank>.ckpt.npz",
               flush=True)
         summary = {"outcome": outcome.name.lower(), "epochs": self.epochs, "updates": self.updates,
                    "train_time": self.train_time, "gamma": c.gamma, "record": record}

@@ -259,6 +259,29 @@ def test_predict_reproduces_the_trained_model_through_secure_aggregation(svrg_ru
     assert np.mean(table[:, 2] == ds.y_test) == pytest.approx(metrics(svrg_run)[-1]["test_accuracy"])
 
 
+def test_each_party_keeps_its_block_in_its_own_folder_and_predicts_from_it(tmp_path):
+    """No folder holds the whole model: training writes, and predict reads, each block only at its party."""
+    out = tmp_path / "run"
+    template = str(tmp_path / "org{rank}" / "model")
+    train(out, "-n", "3", "-m", "1", "--algorithm", "svrg", "--epochs", "2", "--party-dir", template, *CANCER)
+    assert not list(out.glob("*.ckpt.npz"))
+    for rank in range(3):
+        assert sorted(p.name for p in (tmp_path / f"org{rank}" / "model").iterdir()) == [
+            f"party-{rank}.ckpt.npz", f"party-{rank}.prev.ckpt.npz"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    subprocess.run([sys.executable, "-m", "vfl.cli", "predict", str(out)], cwd=REPO_ROOT, env=env,
+                   check=True, capture_output=True, timeout=120)
+    ds = load("breast-cancer", seed=0)
+    w = np.zeros(ds.n_features)
+    for rank, cols in enumerate(random_blocks(ds.n_features, 3, seed=0)):
+        w[cols] = np.load(tmp_path / f"org{rank}" / "model" / f"party-{rank}.ckpt.npz")["w"]
+    table = np.loadtxt(out / "predictions-test.csv", delimiter=",", skiprows=1)
+    np.testing.assert_allclose(table[:, 1], ds.X_test @ w, atol=1e-6)
+    train(out, "-n", "3", "-m", "1", "--algorithm", "svrg", "--epochs", "3", "--party-dir", template,
+          "--resume", *CANCER)
+    assert metrics(out)[-1]["epoch"] == 3
+
+
 HYDRA_BANNER = """
 ===================================================================================
 =   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES
