@@ -47,8 +47,12 @@ def reference_f_star(config: RunConfig) -> float:
     return float(solve_reference(problem, ds.X_train, ds.y_train).f_star)
 
 
-def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None) -> int:
-    """Validate, prepare and run a job under ``mpiexec``; returns the exit code (:data:`EXIT_CODES`)."""
+def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None, echo: bool = True) -> int:
+    """Validate, prepare and run a job under ``mpiexec``; returns the exit code (:data:`EXIT_CODES`).
+
+    ``echo=False`` keeps the job's own output (progress, summary) off the terminal; the launcher's
+    one-line verdict on a failure is printed either way.
+    """
     validate(config)
     chosen_for_the_user = config.out is None and not config.resume
     out = run_folder(config)
@@ -74,7 +78,7 @@ def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None) -> int
     watch = FirstDeath(out, config.parties)
     try:
         code, output = run_mpi_module(config.parties, "parties.rank", ["--config", str(config_path)],
-                                      extra_env=extra_env)
+                                      extra_env=extra_env, echo=echo)
     except KeyboardInterrupt:
         return _interrupted(out)
     if code == -signal.SIGINT or code == 128 + signal.SIGINT:
@@ -84,6 +88,8 @@ def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None) -> int
         advice = f"; {divergence_advice(config.gamma)}" if code == EXIT_CODES["diverged"] else ""
         print(f"vfl train: {stopped.group(1)}{advice}", file=sys.stderr)
         return code
+    if code != 0 and not echo:  # the verdict below points to the ranks' own messages
+        sys.stderr.write(output[-8000:])
     if code != 0:
         culprit = _failed_party(output, watch.first(output))
         print(f"vfl train: the job failed (exit code {code}){culprit}. Checkpoints, if any, are in "
@@ -164,7 +170,7 @@ def _outcome(config: RunConfig, out: Path) -> int:
 
 
 def run_mpi_module(ranks: int, module: str, args: list[str], *,
-                   extra_env: dict[str, str] | None = None) -> tuple[int, str]:
+                   extra_env: dict[str, str] | None = None, echo: bool = True) -> tuple[int, str]:
     """``mpiexec -n ranks python -m mpi4py -m module args``, with this checkout importable.
 
     The job's output passes through unchanged (progress bars included); the last 64 KiB of it are
@@ -185,8 +191,9 @@ def run_mpi_module(ranks: int, module: str, args: list[str], *,
     fd = proc.stdout.fileno()
     try:
         while chunk := os.read(fd, 65536):
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.buffer.flush()
+            if echo:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.buffer.flush()
             tail += chunk
             del tail[:-65536]
     except KeyboardInterrupt:

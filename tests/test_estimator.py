@@ -1,0 +1,60 @@
+"""The Python API: ``VerticalLogisticRegression`` / ``VerticalLinearRegression`` fit over real MPI parties
+and agree with the centralised (NonF) solution of the same problem."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sklearn.base import clone
+from sklearn.datasets import load_breast_cancer, load_diabetes
+from sklearn.preprocessing import StandardScaler
+
+from vfl import VerticalLinearRegression, VerticalLogisticRegression
+from vfl.problems import get_problem
+from vfl.reference import solve_reference
+
+pytestmark = pytest.mark.mpi
+
+
+def test_logistic_regression_fits_to_the_nonf_optimum_and_scores(tmp_path):
+    X, y = load_breast_cancer(return_X_y=True)
+    X = StandardScaler().fit_transform(X)
+    labels = np.where(y == 1, "malignant", "benign")  # any two labels, as in scikit-learn
+    model = VerticalLogisticRegression(parties=3, active=1, lam=1e-2, gamma=0.05, epochs=8,
+                                       out=str(tmp_path))
+    assert model.fit(X, labels) is model
+    problem = get_problem("logistic", lam=1e-2)
+    y_pm = np.where(labels == model.classes_[1], 1.0, -1.0)
+    f_star = solve_reference(problem, X, y_pm).f_star
+    assert problem.objective(model.coef_, X, y_pm) - f_star < 1e-4
+    assert set(model.predict(X[:20])) <= {"malignant", "benign"}
+    assert model.score(X, labels) > 0.97
+    assert [b.size for b in model.coef_blocks_] == [c.size for c in model.columns_]
+    assert sorted(np.concatenate(model.columns_)) == list(range(30))
+    assert model.history_[-1]["epoch"] == 8
+
+
+def test_linear_regression_and_the_scikit_learn_protocol(tmp_path):
+    X, y = load_diabetes(return_X_y=True)
+    X = StandardScaler().fit_transform(X)
+    y = (y - y.mean()) / y.std()
+    model = VerticalLinearRegression(parties=3, active=1, lam=1e-4, gamma=0.01, epochs=10)
+    copy = clone(model)
+    assert copy.get_params() == model.get_params() and copy is not model
+    model.fit(X, y)
+    problem = get_problem("least-squares", lam=1e-4)
+    reference = solve_reference(problem, X, y)
+    assert problem.objective(model.coef_, X, y) - reference.f_star < 2e-3  # flat: s1..s4 are collinear
+    assert model.score(X, y) == pytest.approx(1 - np.mean((X @ reference.w - y) ** 2) / y.var(), abs=0.01)
+
+
+def test_bad_input_is_a_one_line_error():
+    model = VerticalLogisticRegression(parties=3)
+    with pytest.raises(ValueError, match="binary: y has 3 classes"):
+        model.fit(np.ones((6, 4)), [0, 1, 2, 0, 1, 2])
+    with pytest.raises(ValueError, match="X contains NaN"):
+        model.fit(np.full((4, 4), np.nan), [0, 1, 0, 1])
+    with pytest.raises(ValueError, match="cannot give each of 3 parties one"):
+        model.fit(np.ones((4, 2)), [0, 1, 0, 1])
+    with pytest.raises(ValueError, match="has 4 rows but y has 3"):
+        model.fit(np.ones((4, 4)), [0, 1, 0])
