@@ -15,6 +15,10 @@ from pathlib import Path
 
 from vfl.algorithms.registry import ALGORITHMS, MODES, get_algorithm
 
+#: Largest mini-batch: one step's (ϑ, i) message and aggregation request must fit the runtime's
+#: receive buffer (``parties.runtime.MAX_MESSAGE_WORDS``).
+MAX_BATCH = 4000
+
 
 class ConfigError(ValueError):
     """A job configuration that cannot run; the message says which option and why."""
@@ -33,6 +37,8 @@ class RunConfig:
     lam: float = 1e-4
     algorithm: str = "svrg"
     mode: str = "async"
+    batch_size: int = 1
+    inflight: int = 1
     gamma: float = 0.05
     epochs: float = 10.0
     target_suboptimality: float | None = None
@@ -96,6 +102,13 @@ def validate(config: RunConfig) -> RunConfig:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive (got {getattr(c, name)})")
     if c.lam < 0:
         raise ConfigError(f"--lam must be non-negative (got {c.lam})")
+    if not 1 <= c.batch_size <= MAX_BATCH:
+        raise ConfigError(f"--batch-size must be between 1 and {MAX_BATCH} (got {c.batch_size})")
+    if c.inflight < 1:
+        raise ConfigError(f"--inflight must be at least 1 (got {c.inflight})")
+    if c.inflight > 1 and c.mode != "async":
+        raise ConfigError(f"--inflight {c.inflight} needs --mode async: a synchronous step waits for the "
+                          "previous one")
     if c.threads is not None and c.threads < 1:
         raise ConfigError(f"--threads must be at least 1 (got {c.threads})")
     if c.straggler is not None and not 0 <= c.straggler < c.parties:
@@ -185,7 +198,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--lam", type=float, default=d.lam, help="regularisation λ (paper: 1e-4)")
     p.add_argument("--algorithm", "--algo", default=d.algorithm, choices=list(ALGORITHMS),
                    help="; ".join(f"{a.name}: {a.summary}" for a in ALGORITHMS.values()))
-    p.add_argument("--mode", default=d.mode, choices=MODES, help="async (VFB²) or sync (VFB baseline)")
+    p.add_argument("--mode", default=d.mode, choices=MODES,
+                   help="async (VFB²); sync (VFB baseline: each dominator waits for every party's "
+                        "acknowledgement); sync-global (also all dominators in lockstep)")
+    p.add_argument("-B", "--batch-size", type=int, default=d.batch_size,
+                   help="rows per dominated update (1 = the paper's algorithm)")
+    p.add_argument("-P", "--inflight", type=int, default=d.inflight,
+                   help="aggregation requests a dominator keeps outstanding (async mode)")
     p.add_argument("--gamma", type=float, default=d.gamma, help="learning rate γ")
     p.add_argument("--epochs", type=float, default=d.epochs, help="stop after this many passes over the data")
     p.add_argument("--target-suboptimality", type=float, default=None,

@@ -22,6 +22,7 @@ Sends may come from any thread (``MPI_THREAD_MULTIPLE``); every send is non-bloc
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -111,17 +112,24 @@ class PartyRuntime:
     """Runs one party's threads for a VFB² job; all ranks of ``comm`` construct one collectively."""
 
     def __init__(self, comm: MPI.Comm, party: PartyState, *, active_ranks: list[int], threads: int,
-                 seed: int, synchronous: bool = False, dispatch: bool = True,
-                 straggler: int | None = None, slowdown: float = 0.0, allow_two_parties: bool = False,
-                 audit: bool = False) -> None:
+                 seed: int, mode: str = "async", dispatch: bool = True, batch_size: int = 1,
+                 inflight: int = 1, straggler: int | None = None, slowdown: float = 0.0,
+                 allow_two_parties: bool = False, audit: bool = False) -> None:
         self.party = party
         self.rank = comm.Get_rank()
         self.q = comm.Get_size()
         self.data = comm.Dup()
         self.ctrl = comm.Dup()
         self.active_ranks = active_ranks
-        self.synchronous = synchronous
+        self.synchronous = mode != "async"
         self.dispatch = dispatch
+        self.batch_size = batch_size
+        self.inflight = 1 if self.synchronous else inflight
+        #: sync-global: the dominators' own communicator, on which they agree to take each step together
+        self.lockstep = (comm.Split(0 if self.rank in active_ranks else MPI.UNDEFINED)
+                         if mode == "sync-global" else None)
+        #: sync modes: the most steps this dominator ever had broadcast but not fully acknowledged
+        self.max_unacked = 0
         self.slowdown = slowdown if straggler == self.rank else 0.0
         self.sender = _Sender(self.data)
         pairs = build_all_tree_pairs(self.q, seed, allow_leaky_q2=allow_two_parties)
@@ -269,6 +277,10 @@ class PartyRuntime:
 
     def aggregate(self, rows: np.ndarray) -> np.ndarray:
         """ŵ·x_i for ``rows`` by Algorithm 1 rooted at this party (blocks only on this result)."""
+        return self.request(rows).get()
+
+    def request(self, rows: np.ndarray) -> queue.SimpleQueue[np.ndarray]:
+        """Start Algorithm 1 for ``rows`` rooted here; the scores arrive in the returned slot."""
         slot: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
         with self.node_lock:
             rid, announcements = self.node.announce(rows)
@@ -282,34 +294,64 @@ class PartyRuntime:
         self._send_all(step.outgoing)
         if isinstance(step.event, Completed):  # q = 1 never happens; kept exact for a leaf-less tree
             self.results.pop(rid).put(step.event.result())
-        return slot.get()
+        return slot
 
-    def dominate(self, n_updates: int, deadline: float | None = None) -> int:
-        """Run ``n_updates`` dominated updates (Alg. 2/4/6); returns how many were done."""
+    def dominate(self, n_steps: int, deadline: float | None = None) -> int:
+        """Run ``n_steps`` dominated updates (Alg. 2/4/6) of ``batch_size`` rows each; returns how many
+        were done.
+
+        Up to ``inflight`` aggregation requests are outstanding, each reading ŵ when it is served, so
+        link latency overlaps instead of adding up; the (ϑ, i) broadcasts still go out in request order,
+        numbered, and every party applies each exactly once. What it costs: a step's ŵ may miss the
+        updates of this dominator's ``inflight − 1`` previous steps, so the bounded delay τ of the
+        analysis grows by ``inflight − 1`` per dominator. The synchronous modes keep one step in flight
+        and wait for every collaborator's acknowledgement; ``sync-global`` also makes all dominators
+        take each step together.
+        """
         party = self.party
         assert party.problem is not None and party.y is not None
-        n = party.block.n_rows
-        rows = self._rng.integers(0, n, size=n_updates)
-        theta = np.empty(1)
+        rows = self._rng.integers(0, party.block.n_rows, size=(n_steps, self.batch_size))
         others = [r for r in range(self.q) if r != self.rank]
-        for done in range(n_updates):
-            if deadline is not None and done % 64 == 0 and time.perf_counter() > deadline:
-                return done
-            row = rows[done:done + 1]
-            z = self.aggregate(row)
-            theta[0] = party.problem.theta(z[0], party.y[row[0]])
+        pending: collections.deque[tuple[np.ndarray, queue.SimpleQueue[np.ndarray]]] = collections.deque()
+        issued = done = 0
+        acked = 0
+        while done < n_steps:
+            while issued < n_steps and len(pending) < self.inflight and self._may_start(issued, deadline):
+                pending.append((rows[issued], self.request(rows[issued])))
+                issued += 1
+            if not pending:
+                break
+            step_rows, slot = pending.popleft()
+            z = slot.get()
+            thetas = np.asarray(party.problem.theta(z, party.y[step_rows]), dtype=np.float64)
             if self.dispatch:
-                buf = pack(self.sent, row, theta)
+                if self.synchronous:
+                    self.max_unacked = max(self.max_unacked,
+                                           done - (acked + self.acks.qsize()) // max(len(others), 1))
+                buf = pack(self.sent, step_rows, thetas)
                 self.sent += 1
                 for dest in others:
                     self.sender.send(buf, dest, TAG_THETA)
             started = time.perf_counter()
-            party.rule.apply(party.w, row, theta)
+            party.rule.apply(party.w, step_rows, thetas)
             self._straggle(started)
             if self.synchronous and self.dispatch:
                 for _ in others:
                     self.acks.get()
-        return n_updates
+                    acked += 1
+            done += 1
+        return done
+
+    def _may_start(self, step: int, deadline: float | None) -> bool:
+        """Whether to start another step: within the time budget, and under ``sync-global`` only when
+        every dominator starts it too (one agreement per step: they stop together)."""
+        go = deadline is None or step % 64 != 0 or time.perf_counter() <= deadline
+        if self.lockstep is None:
+            return go
+        mine = np.array([int(go)], dtype=np.int64)
+        every = np.empty(1, dtype=np.int64)
+        self.lockstep.Allreduce(mine, every, op=MPI.MIN)
+        return bool(every[0])
 
     # ---------------------------------------------------------------------------------- main thread
 
@@ -367,7 +409,7 @@ class PartyRuntime:
                  tags=np.array([r[1] for r in records], dtype=np.int64),
                  lengths=np.array([r[2].size for r in records], dtype=np.int64),
                  words=np.concatenate([r[2] for r in records]) if records else np.zeros(0, np.uint64),
-                 sent=self.sent, applied=self.applied)
+                 sent=self.sent, applied=self.applied, max_unacked=self.max_unacked)
 
     def close(self) -> None:
         """Stop this party's threads (collective with the other parties)."""

@@ -52,7 +52,8 @@ def train(comm: MPI.Comm, party: PartyState, config: RunConfig) -> TrainResult:
     algorithm = get_algorithm(config.algorithm)
     runtime = PartyRuntime(
         comm, party, active_ranks=list(range(config.active)), threads=config.worker_threads,
-        seed=config.seed, synchronous=config.mode == "sync", dispatch=algorithm.dispatch,
+        seed=config.seed, mode=config.mode, dispatch=algorithm.dispatch, batch_size=config.batch_size,
+        inflight=config.inflight,
         straggler=config.straggler, slowdown=config.slowdown, allow_two_parties=config.allow_two_parties,
         audit=config.audit)
     result = _Trainer(runtime, config).run()
@@ -134,7 +135,7 @@ class _Trainer:
                 party.rule.snapshot(self.rt.full_theta(LEADER))
             done = 0
             if party.active:
-                quota = math.ceil(segment * n / config.active)
+                quota = math.ceil(segment * n / (config.active * config.batch_size))
                 deadline = (None if config.time_limit is None
                             else started + config.time_limit - self.train_time)
                 done = self.rt.dominate(quota, deadline)
@@ -143,7 +144,8 @@ class _Trainer:
             self.train_time += time.perf_counter() - started
             done_all = self._sum_over_parties(done)
             self.updates += done_all
-            self.epochs += done_all / n if config.time_limit is not None else segment  # cut short?
+            self.epochs += (done_all * config.batch_size / n if config.time_limit is not None
+                            else segment)  # cut short?
             record = self._evaluate()
             save_checkpoint(self.folder, self.rank, party.w, self.epochs, self.train_time, self.updates)
             self.rt.ctrl.Barrier()  # every party has written this epoch's block: it is complete

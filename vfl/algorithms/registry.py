@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 from vfl.algorithms.vfb2 import RULES, UpdateRule
 
-#: The two ways a dominator can run: asynchronous VFB² and the synchronous VFB baseline.
-MODES = ("async", "sync")
+#: How the dominators run: asynchronous VFB²; the synchronous VFB baseline with each dominator waiting
+#: for every party's acknowledgement of its step (``sync``, per dominator: dominators do not wait for
+#: each other); and ``sync-global``, where every step also waits for all dominators, in lockstep.
+MODES = ("async", "sync", "sync-global")
 
 
 @dataclass(frozen=True)
