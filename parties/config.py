@@ -48,6 +48,7 @@ class RunConfig:
     seed: int = 0
     straggler: int | None = None
     slowdown: float = 0.4
+    apply_delay_ms: float = 0.0
     out: str | None = None
     party_dir: str | None = None
     overwrite: bool = False
@@ -115,6 +116,8 @@ def validate(config: RunConfig) -> RunConfig:
         raise ConfigError(f"--straggler must be a party rank in 0..{c.parties - 1} (got {c.straggler})")
     if c.slowdown < 0:
         raise ConfigError(f"--slowdown must be non-negative (got {c.slowdown})")
+    if c.apply_delay_ms < 0:
+        raise ConfigError(f"--apply-delay-ms must be non-negative (got {c.apply_delay_ms})")
     if c.target_suboptimality is not None and c.target_suboptimality <= 0:
         raise ConfigError("--target-suboptimality must be positive")
     if c.time_limit is not None and c.time_limit <= 0:
@@ -215,6 +218,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--straggler", type=int, default=None, help="rank of an injected straggler party")
     p.add_argument("--slowdown", type=float, default=d.slowdown, help="straggler's extra time fraction")
+    p.add_argument("--apply-delay-ms", type=float, default=d.apply_delay_ms,
+                   help="the straggler's workers wait this long before applying each batch of (ϑ, i)")
     p.add_argument("--out", default=None,
                    help="folder of this run: metrics, each party's block (default: a new "
                         "runs/<time>-<dataset>, with runs/latest pointing to it)")

@@ -114,6 +114,7 @@ class PartyRuntime:
     def __init__(self, comm: MPI.Comm, party: PartyState, *, active_ranks: list[int], threads: int,
                  seed: int, mode: str = "async", dispatch: bool = True, batch_size: int = 1,
                  inflight: int = 1, straggler: int | None = None, slowdown: float = 0.0,
+                 apply_delay: float = 0.0,
                  allow_two_parties: bool = False, audit: bool = False) -> None:
         self.party = party
         self.rank = comm.Get_rank()
@@ -131,6 +132,8 @@ class PartyRuntime:
         #: sync modes: the most steps this dominator ever had broadcast but not fully acknowledged
         self.max_unacked = 0
         self.slowdown = slowdown if straggler == self.rank else 0.0
+        #: seconds the straggler's workers wait before applying a batch (a collaborator slow to update)
+        self.apply_delay = apply_delay if straggler == self.rank else 0.0
         self.sender = _Sender(self.data)
         pairs = build_all_tree_pairs(self.q, seed, allow_leaky_q2=allow_two_parties)
         self.node = AggregationNode(self.rank, self.q, pairs, allow_leaky_q2=allow_two_parties)
@@ -248,6 +251,8 @@ class PartyRuntime:
             if items:
                 rows = np.concatenate([rows for _, rows, _ in items])
                 thetas = np.concatenate([thetas for _, _, thetas in items])
+                if self.apply_delay:
+                    time.sleep(self.apply_delay)
                 started = time.perf_counter()
                 party.rule.apply(party.w, rows, thetas)
                 self._straggle(started)

@@ -54,7 +54,8 @@ def train(comm: MPI.Comm, party: PartyState, config: RunConfig) -> TrainResult:
         comm, party, active_ranks=list(range(config.active)), threads=config.worker_threads,
         seed=config.seed, mode=config.mode, dispatch=algorithm.dispatch, batch_size=config.batch_size,
         inflight=config.inflight,
-        straggler=config.straggler, slowdown=config.slowdown, allow_two_parties=config.allow_two_parties,
+        straggler=config.straggler, slowdown=config.slowdown, apply_delay=config.apply_delay_ms / 1e3,
+        allow_two_parties=config.allow_two_parties,
         audit=config.audit)
     result = _Trainer(runtime, config).run()
     runtime.close()

@@ -31,14 +31,15 @@ def in_lockstep(sources: np.ndarray) -> bool:
 
 
 def run(out, mode: str, *extra: str) -> None:
-    # dominator 1 is three times slower: left alone, dominator 0 would run ahead of it
     train(out, "-n", "4", "-m", str(M), "--mode", mode, "--algorithm", "sgd", "--epochs", "1", "--audit",
-          "--straggler", "1", "--slowdown", "3", *extra, *CANCER)
+          *extra, *CANCER)
 
 
 @pytest.mark.parametrize("mode", ["sync", "sync-global"])
 def test_no_dominator_ever_has_two_unacknowledged_steps(mode, tmp_path):
-    run(tmp_path, mode)
+    """Party 3 applies late: a dominator that stopped waiting for its acknowledgement would run ahead
+    (measured: 3-5 unacknowledged steps when the wait is removed)."""
+    run(tmp_path, mode, "--straggler", "3", "--apply-delay-ms", "2")
     for dominator in range(M):
         with np.load(tmp_path / f"audit-{dominator}.npz") as z:
             assert int(z["sent"]) > 100
@@ -46,7 +47,7 @@ def test_no_dominator_ever_has_two_unacknowledged_steps(mode, tmp_path):
 
 
 def test_global_sync_steps_every_dominator_together(tmp_path):
-    run(tmp_path, "sync-global")
+    run(tmp_path, "sync-global", "--straggler", "1", "--slowdown", "3")
     for passive in (2, 3):
         sources = theta_sources(tmp_path, passive)
         assert sources.size > 200 and in_lockstep(sources)
