@@ -48,8 +48,20 @@ def main(argv: list[str] | None = None) -> int:
     if name not in EXPERIMENTS:
         print(f"unknown experiment {name!r}; known: {', '.join(EXPERIMENTS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(EXPERIMENTS[name][0])
-    module.main(rest)
+    from vfl.datasets import DatasetNotFoundError
+
+    try:
+        module = importlib.import_module(EXPERIMENTS[name][0])
+        module.main(rest)
+    except DatasetNotFoundError as err:  # a missing data file is the user's to fix: one line, exit 2
+        print(f"python -m experiments {name}: {err}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        if err.name != "torch":
+            raise
+        print(f"python -m experiments {name} needs torch: pip install torch==2.13.0 (the CPU build), "
+              "or pip install -e '.[hfl]'", file=sys.stderr)
+        return 2
     return 0
 
 

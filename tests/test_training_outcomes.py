@@ -87,3 +87,23 @@ def test_mistakes_found_before_mpiexec_are_one_line_with_exit_2(tmp_path):
     assert proc.returncode == 2 and "cannot write there" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
+
+
+def test_experiments_without_their_data_say_so_in_plain_words(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VFL_DATA_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "experiments", "hfl_quick", "--rounds", "1"], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("python -m experiments hfl_quick: ") and "Traceback" not in proc.stderr
+
+
+def test_horizontal_fl_without_torch_says_how_to_install_it(monkeypatch, capsys):
+    import importlib.util
+
+    from vfl import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real(name, *a))
+    assert cli.main(["hfl-train", "--algorithm", "fedavg"]) == 2
+    assert "pip install torch==2.13.0" in capsys.readouterr().err

@@ -95,6 +95,12 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 def _run_hfl(command: str, rest: list[str]) -> int:
     """Horizontal FL lives in ``parties.hfl``, which parses its own options (it imports torch, so only
     when asked for)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        print(f"vfl {command}: horizontal FL needs torch: pip install torch==2.13.0 (the CPU build), or "
+              "pip install -e '.[hfl]'", file=sys.stderr)
+        return 2
     from parties.hfl import main as hfl_main
 
     return hfl_main((["split"] if command == "hfl-split" else []) + rest)
