@@ -272,7 +272,11 @@ def first_to_die(gone_first: set[int], pids: dict[int, int], output: str) -> int
 
 
 def _failed_party(output: str, first_dead: int | None) -> str:
-    """", party N ..." for the party that reported a fatal error, or else the first one that died."""
+    """", party N ..." for a party another one caught sending an invalid message, else the party that
+    reported a fatal error, else the first one that died."""
+    offender = re.search(r"\] (party \d+ sent an invalid [^\n]*)", output)
+    if offender:
+        return f": {offender.group(1)}"
     named = re.search(r"\[party (\d+)\]", output)
     if named:
         return f": party {named.group(1)} failed (see its message above)"

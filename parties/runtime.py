@@ -35,6 +35,7 @@ from mpi4py import MPI
 from parties.outcomes import EXIT_CODES
 from protocols.aggregation import AggregationNode, Completed, Requested
 from protocols.dispatch import Inbox, pack
+from protocols.errors import ProtocolViolation
 from protocols.masking import AggregationOverflowError
 from protocols.secure_aggregation import SecureAggregator
 from protocols.transport import AGGREGATION_TAG
@@ -179,6 +180,11 @@ class PartyRuntime:
                 body(*args)
             except AggregationOverflowError:
                 stop_job(self.data, self.rank, "diverged", OUT_OF_RANGE)
+            except ProtocolViolation as exc:  # the sender's fault, not this party's: no traceback
+                import sys
+
+                print(f"[party {self.rank}] {exc}", file=sys.stderr, flush=True)
+                self.data.Abort(EXIT_CODES["failed"])
             except BaseException as exc:
                 import sys
                 import traceback
@@ -193,12 +199,26 @@ class PartyRuntime:
     def _comm_loop(self) -> None:
         # One blocking Recv(ANY_SOURCE, ANY_TAG) into a reused buffer: with ranks outnumbering cores,
         # Probe + Recv measured 1-8 ms per round trip here, a plain blocking Recv 20-35 µs.
+        # Everything another party sends is validated here, before it can reach a kernel: the envelope
+        # by check_envelope, the contents by Inbox (ϑ, i; DONE) and AggregationNode.receive (with this
+        # party's n_rows for REQUEST indices). A bad message raises ProtocolViolation naming the sender,
+        # and _guard ends the job with it.
         raw = np.empty(MAX_MESSAGE_WORDS, dtype=np.uint64)
         status = MPI.Status()
+        n_rows = self.party.block.n_rows
         while True:
-            self.data.Recv([raw, MPI.BYTE], MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-            source, tag = status.Get_source(), status.Get_tag()
-            msg = raw[:status.Get_count(MPI.BYTE) // 8]
+            try:
+                self.data.Recv([raw, MPI.BYTE], MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            except MPI.Exception as error:
+                if error.Get_error_class() != MPI.ERR_TRUNCATE:
+                    raise
+                raise ProtocolViolation(status.Get_source(), f"message (tag {status.Get_tag()})",
+                                        f"longer than {MAX_MESSAGE_WORDS} words, the largest message") \
+                    from None
+            source, tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+            check_envelope(source, tag, nbytes, rank=self.rank, active_ranks=self.active_ranks,
+                           synchronous=self.synchronous)
+            msg = raw[:nbytes // 8]
             if self.transcript is not None:
                 self.transcript.append((source, tag, msg.copy()))
             if tag == TAG_STOP:
@@ -206,17 +226,16 @@ class PartyRuntime:
             if tag == AGGREGATION_TAG:
                 self._on_aggregation(source, msg.copy())
             elif tag == TAG_THETA:
-                rows, thetas = self.inbox.unpack(source, msg.view(np.float64))
+                rows, thetas = self.inbox.unpack(source, msg.view(np.float64), n_rows)
                 self.queues[self.active_ranks.index(source) % len(self.queues)].put((source, rows, thetas))
             elif tag == TAG_DONE:
+                count = self.inbox.done(source, msg.view(np.int64))
                 with self.applied_cond:
                     self.done_segments[source] += 1
-                    self.done_sent[source] = msg.view(np.int64)[0]
+                    self.done_sent[source] = count
                     self.applied_cond.notify_all()
             elif tag == TAG_ACK:
                 self.acks.put(source)
-            else:
-                raise RuntimeError(f"party {self.rank}: unexpected message tag {tag} from party {source}")
 
     def _on_aggregation(self, source: int, buf: np.ndarray) -> None:
         started = time.perf_counter()
@@ -224,8 +243,8 @@ class PartyRuntime:
         self._straggle(started)  # a slow party is slow at everything, forwarding included
 
     def _handle_aggregation(self, source: int, buf: np.ndarray) -> None:
-        with self.node_lock:
-            step = self.node.receive(source, buf)
+        with self.node_lock:  # validates the header, lengths and (against n_rows) REQUEST indices
+            step = self.node.receive(source, buf, n_rows=self.party.block.n_rows)
         self._send_all(step.outgoing)
         event = step.event
         if isinstance(event, Requested):
@@ -235,7 +254,11 @@ class PartyRuntime:
             self._send_all(step.outgoing)
             event = step.event
         if isinstance(event, Completed):
-            self.results.pop(event.rid).put(event.result())
+            slot = self.results.pop(event.rid, None)
+            if slot is None:
+                raise ProtocolViolation(source, "tree sum", f"it completed request {event.rid}, which "
+                                        f"party {self.rank} never made")
+            slot.put(event.result())
 
     def _worker_loop(self, inbox: queue.SimpleQueue) -> None:
         """Apply (ϑ, i) messages as they come; whatever has queued up meanwhile is applied in one
@@ -427,3 +450,31 @@ class PartyRuntime:
         self.sender.flush()
         self.aggregator.close()
         self.ctrl.Barrier()
+
+
+def check_envelope(source: int, tag: int, nbytes: int, *, rank: int, active_ranks: list[int],
+                   synchronous: bool) -> None:
+    """Check what MPI says about one data-plane message (sender, tag, size) before its words are read.
+
+    Contents are checked by their own receivers (``Inbox``, ``AggregationNode.receive``); this catches
+    what they cannot: an unknown tag, a sender that may not send that kind (only dominators send ϑ and
+    DONE, only this party itself sends STOP), and sizes that are not the kind's exact word count.
+    """
+    if tag == AGGREGATION_TAG:
+        what, allowed, words = "aggregation message", source != rank, None
+    elif tag == TAG_THETA:
+        what, allowed, words = "(ϑ, i) message", source != rank and source in active_ranks, None
+    elif tag == TAG_DONE:
+        what, allowed, words = "DONE message", source != rank and source in active_ranks, 1
+    elif tag == TAG_ACK:
+        what, allowed, words = "ACK message", source != rank and synchronous, 1
+    elif tag == TAG_STOP:
+        what, allowed, words = "STOP message", source == rank, 1
+    else:
+        raise ProtocolViolation(source, "message", f"unknown tag {tag:#x}")
+    if not allowed:
+        raise ProtocolViolation(source, what, f"party {source} may not send it to party {rank}")
+    if nbytes <= 0 or nbytes % 8:
+        raise ProtocolViolation(source, what, f"{nbytes} bytes is not a whole, non-zero number of words")
+    if words is not None and nbytes != 8 * words:
+        raise ProtocolViolation(source, what, f"{nbytes // 8} words, expected {words}")

@@ -11,7 +11,8 @@ and is imported on its own.
 """
 
 from protocols.aggregation import AggregationNode
-from protocols.masking import AggregationOverflowError, FixedPointRing, RealValued
+from protocols.errors import ProtocolError, ProtocolViolation
+from protocols.masking import AggregationOverflowError, FixedPointRing, PrecisionWarning, RealValued
 from protocols.secure_aggregation import SecureAggregator, secure_inner_product, secure_sum
 from protocols.trees import InsecureTreePairError, TreePair, build_all_tree_pairs
 
@@ -20,6 +21,9 @@ __all__ = [
     "AggregationOverflowError",
     "FixedPointRing",
     "InsecureTreePairError",
+    "PrecisionWarning",
+    "ProtocolError",
+    "ProtocolViolation",
     "RealValued",
     "SecureAggregator",
     "TreePair",

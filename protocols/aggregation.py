@@ -23,9 +23,22 @@ accumulators by it. A child's message may arrive before the party has started th
 messages per sender only); it is kept and counted.
 
 Wire format: one contiguous ``uint64`` array, a 4-word header ``[kind, root, rid, aux]`` followed by the
-payload: ``B`` sample indices (int64 bits) for ``REQUEST``, ``B`` words of partial sums otherwise. ``aux``
-carries, up tree 1, how many entries below could not be encoded (see :mod:`protocols.masking`). One buffer
-per message, no pickle; a forwarded accumulator is sent in the buffer it was summed in.
+payload: ``B`` sample indices (int64 bits) for ``REQUEST``, ``B`` words of partial sums otherwise. One
+buffer per message, no pickle; a forwarded accumulator is sent in the buffer it was summed in.
+
+``aux`` is the *overflow flag*, masked like a value: every party counts its entries that could not be
+encoded (see :mod:`protocols.masking`), draws one more fresh mask word ``ε`` and contributes
+``count + ε`` (mod 2**64) up tree 1 and ``ε`` up tree 2; inner nodes add the words like the payload. Only
+the root, which subtracts the two sums, learns the total count; a parent sees uniformly random words and
+cannot tell which child (if any) overflowed. (In clear, the count per child told its parent exactly that.)
+``aux`` is 0 in ``REQUEST``.
+
+Validation (the receive boundary): :meth:`AggregationNode.receive` checks every header field against
+what this node can expect (a known kind, a root in ``0..q - 1``, a sender that may send this kind, a
+request id that is new for a ``REQUEST`` and not yet finished nor absurdly far ahead for a tree sum, a
+payload of ``1..max_batch`` words that matches the other contributions) and raises
+:class:`~protocols.errors.ProtocolViolation` naming the sender otherwise. Children are checked against
+the tree as soon as the party has started the request.
 
 Request ids are per-root sequence numbers starting at 0. In collective use every party advances the same
 counters in the same order; in the runtime only roots allocate them and the others learn them from
@@ -42,23 +55,41 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from protocols.masking import AggregationOverflowError, FixedPointRing, Keystream, MaskingScheme, Words
+from protocols.errors import ProtocolError, ProtocolViolation
+from protocols.masking import (
+    AggregationOverflowError,
+    FixedPointRing,
+    Keystream,
+    MaskingScheme,
+    Words,
+    as_real_vector,
+)
 from protocols.trees import TreePair, validate_tree_pair
 
 __all__ = [
+    "DEFAULT_MAX_BATCH",
     "HEADER_WORDS",
+    "MAX_OPEN_PER_ROOT",
     "AggregationNode",
     "Completed",
     "Header",
     "Kind",
     "Outgoing",
     "ProtocolError",
+    "ProtocolViolation",
     "Requested",
     "Step",
     "header_of",
 ]
 
 HEADER_WORDS = 4
+#: Largest payload (values per request) a node accepts by default: 2**24 values, a 128 MiB message. The
+#: batched full passes of the runtime aggregate one value per training row.
+DEFAULT_MAX_BATCH = 1 << 24
+#: How far ahead of its oldest unfinished request of a root a tree sum may be: requests of one root finish
+#: roughly in order at every party, so a request id beyond this is garbage, not a slow request.
+MAX_OPEN_PER_ROOT = 1 << 16
+_WORD = (1 << 64) - 1
 
 
 class Kind(IntEnum):
@@ -131,10 +162,6 @@ class Step(NamedTuple):
     event: Requested | Completed | None = None
 
 
-class ProtocolError(RuntimeError):
-    """A message that the protocol cannot have produced (wrong sender, duplicate, size mismatch)."""
-
-
 @dataclass(frozen=True, slots=True)
 class _Role:
     """This party's place in one tree pair: parents and children (as a bitmask) in both trees."""
@@ -151,14 +178,36 @@ class _Role:
 class _Request:
     """Per-(root, rid) state: the two accumulators (full message buffers) and who has been heard."""
 
-    __slots__ = ("forwarded", "heard", "out_of_range", "role", "totals")
+    __slots__ = ("forwarded", "heard", "role", "totals")
 
     def __init__(self, role: _Role | None = None) -> None:
         self.role = role  # known once started
         self.totals: list[Words | None] = [None, None]
         self.heard = [0, 0]
         self.forwarded = [False, False]
-        self.out_of_range = 0
+
+
+class _Finished:
+    """The request ids of one root that this party is done with: all below ``below``, plus ``above``.
+
+    Requests finish roughly in order, so ``above`` stays small; a late or repeated tree sum for a
+    finished request is then recognised as a duplicate instead of opening a new request that never ends.
+    """
+
+    __slots__ = ("above", "below")
+
+    def __init__(self) -> None:
+        self.below = 0
+        self.above: set[int] = set()
+
+    def add(self, rid: int) -> None:
+        self.above.add(rid)
+        while self.below in self.above:
+            self.above.remove(self.below)
+            self.below += 1
+
+    def __contains__(self, rid: int) -> bool:
+        return rid < self.below or rid in self.above
 
 
 class AggregationNode:
@@ -170,7 +219,10 @@ class AggregationNode:
     """
 
     def __init__(self, rank: int, size: int, tree_pairs: Sequence[TreePair], *,
-                 masking: MaskingScheme | None = None, allow_leaky_q2: bool = False) -> None:
+                 masking: MaskingScheme | None = None, allow_leaky_q2: bool = False,
+                 max_batch: int = DEFAULT_MAX_BATCH) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not a party of 0..{size - 1}")
         if len(tree_pairs) != size:
@@ -189,6 +241,9 @@ class AggregationNode:
         self._keystream = Keystream()
         self._next_rid = [0] * size
         self._requests: dict[tuple[int, int], _Request] = {}
+        self.max_batch = max_batch
+        self._finished = [_Finished() for _ in range(size)]
+        self._requested: list[set[int]] = [set() for _ in range(size)]  # per root: REQUESTs not finished
 
     # ------------------------------------------------------------------------------ what a party does
 
@@ -220,9 +275,7 @@ class AggregationNode:
 
         ``tree_pair`` overrides the root's configured pair for this request (all parties must agree).
         """
-        values = np.asarray(values, dtype=np.float64)
-        if values.ndim != 1 or values.size == 0:
-            raise ValueError(f"local values must be a non-empty 1-D array, got shape {values.shape}")
+        values = as_real_vector(values, "local values")
         role = self._role(root, tree_pair)
         key = (root, rid)
         state = self._requests.get(key)
@@ -235,13 +288,17 @@ class AggregationNode:
             for tree in (0, 1):
                 unexpected = state.heard[tree] & ~role.children[tree]
                 if unexpected:
-                    raise ProtocolError(f"party {self.rank} got tree-{tree + 1} sums for {key} from "
-                                        f"non-children {_ranks(unexpected)}")
+                    raise ProtocolViolation(_ranks(unexpected)[0], Kind(_MASKED + tree).name,
+                                            f"party {self.rank} got tree-{tree + 1} sums for {key} from "
+                                            f"non-children {_ranks(unexpected)}")
         size = HEADER_WORDS + values.size
         masked = np.empty(size, dtype=np.uint64)
         masks = np.empty(size, dtype=np.uint64)
-        state.out_of_range += self.masking.share(values, self.size, self._keystream,
-                                                 masked[HEADER_WORDS:], masks[HEADER_WORDS:])
+        out_of_range = self.masking.share(values, self.size, self._keystream,
+                                          masked[HEADER_WORDS:], masks[HEADER_WORDS:])
+        flag_mask = self._keystream.word()  # the overflow count travels masked, like the values
+        masked[3] = (out_of_range + flag_mask) & _WORD
+        masks[3] = flag_mask
         totals = state.totals
         for tree, own in ((0, masked), (1, masks)):
             arrived = totals[tree]
@@ -251,36 +308,88 @@ class AggregationNode:
                 self._add(arrived, own, key)
         return self._advance(key, state)
 
-    def receive(self, source: int, buffer: Words) -> Step:
-        """Handle one message from ``source``. The node takes ownership of ``buffer``."""
-        try:
-            code, root, rid, aux = buffer[:HEADER_WORDS].tolist()
-        except ValueError:
-            raise ProtocolError(f"{buffer.size}-word message from party {source}: no header") from None
+    def receive(self, source: int, buffer: Words, *, n_rows: int | None = None) -> Step:
+        """Handle one message from ``source``. The node takes ownership of ``buffer``.
+
+        Every header field and the payload length are checked first (see the module docstring);
+        ``n_rows``, when given, also bounds the sample indices of a ``REQUEST`` (``0..n_rows - 1``).
+        Raises :class:`~protocols.errors.ProtocolViolation` naming ``source``.
+        """
+        if not 0 <= source < self.size or source == self.rank:
+            raise ValueError(f"party {self.rank} cannot receive from {source} (parties 0..{self.size - 1})")
+        if not isinstance(buffer, np.ndarray) or buffer.dtype != np.uint64 or buffer.ndim != 1:
+            raise ProtocolViolation(source, "aggregation message", "expected a 1-D uint64 buffer")
+        if buffer.size <= HEADER_WORDS:
+            raise ProtocolViolation(source, "aggregation message", f"{buffer.size} words is truncated (a "
+                                    f"{HEADER_WORDS}-word header and at least one payload word)")
+        code, root, rid, aux = buffer[:HEADER_WORDS].tolist()
+        if code not in _KINDS:
+            raise ProtocolViolation(source, "aggregation message", f"unknown message kind {code} in header "
+                                    f"{buffer[:HEADER_WORDS]}")
+        what = _KINDS[code].name
+        if root >= self.size:
+            raise ProtocolViolation(source, what, f"root {root} is not a party of 0..{self.size - 1}")
+        payload = buffer.size - HEADER_WORDS
+        if payload > self.max_batch:
+            raise ProtocolViolation(source, what, f"{payload} values exceed the limit of {self.max_batch}")
+        finished = self._finished[root]
         if code == _REQUEST:
-            if source != root:
-                raise ProtocolError(f"REQUEST for root {root} came from party {source}")
-            return Step([], Requested(root, rid, buffer[HEADER_WORDS:].view(np.int64)))
-        if code != _MASKED and code != _MASKS:
-            raise ProtocolError(f"unknown message kind {code} in header {buffer[:HEADER_WORDS]}")
+            return self._on_request(source, root, rid, aux, buffer, n_rows)
+        if source == root:
+            raise ProtocolViolation(source, what, f"the root of request ({root}, {rid}) has no parent to "
+                                    f"send a tree sum to")
         key = (root, rid)
+        if rid in finished:
+            raise ProtocolViolation(source, what, f"request {key} is already finished at party {self.rank} "
+                                    f"(a duplicate or a late contribution)")
+        if rid >= finished.below + MAX_OPEN_PER_ROOT:
+            raise ProtocolViolation(source, what, f"request id {rid} of root {root} is more than "
+                                    f"{MAX_OPEN_PER_ROOT} ahead of the oldest open one ({finished.below})")
         tree = code - _MASKED
         state = self._requests.get(key)
         if state is None:
             state = self._requests[key] = _Request()
         bit = 1 << source
         if state.heard[tree] & bit:
-            raise ProtocolError(f"party {self.rank} got a second tree-{tree + 1} sum for {key} from {source}")
+            raise ProtocolViolation(source, what, f"party {self.rank} got a second tree-{tree + 1} sum for "
+                                    f"{key} from {source}")
         if state.role is not None and not state.role.children[tree] & bit:
-            raise ProtocolError(f"party {source} is not a tree-{tree + 1} child of {self.rank} for {key}")
-        state.heard[tree] |= bit
-        state.out_of_range += aux
+            raise ProtocolViolation(source, what, f"party {source} is not a tree-{tree + 1} child of "
+                                    f"{self.rank} for {key}")
         total = state.totals[tree]
+        other = state.totals[1 - tree]
+        expected = total if total is not None else other
+        if expected is not None and expected.size != buffer.size:
+            raise ProtocolViolation(source, what, f"request {key}: partial sums of "
+                                    f"{expected.size - HEADER_WORDS} and {payload} values cannot be added "
+                                    f"(parties disagree on B)")
+        state.heard[tree] |= bit
         if total is None:
             state.totals[tree] = buffer
         else:
             self._add(total, buffer, key)
         return self._advance(key, state) if state.role is not None else Step([])
+
+    def _on_request(self, source: int, root: int, rid: int, aux: int, buffer: Words,
+                    n_rows: int | None) -> Step:
+        if source != root:
+            raise ProtocolViolation(source, "REQUEST", f"REQUEST for root {root} came from party {source}")
+        if aux != 0:
+            raise ProtocolViolation(source, "REQUEST", f"header word 3 is {aux}, not 0")
+        requested = self._requested[root]
+        if rid in requested or rid in self._finished[root]:
+            raise ProtocolViolation(source, "REQUEST", f"request id {rid} of root {root} was requested "
+                                    f"before (a duplicate or replay)")
+        if rid >= self._finished[root].below + MAX_OPEN_PER_ROOT:
+            raise ProtocolViolation(source, "REQUEST", f"request id {rid} is more than {MAX_OPEN_PER_ROOT} "
+                                    f"ahead of the oldest open one ({self._finished[root].below})")
+        indices = buffer[HEADER_WORDS:].view(np.int64)
+        low, high = int(indices.min()), int(indices.max())
+        if low < 0 or (n_rows is not None and high >= n_rows):
+            limit = "" if n_rows is None else f"..{n_rows - 1}"
+            raise ProtocolViolation(source, "REQUEST", f"sample indices {low}..{high} are not in 0{limit}")
+        requested.add(rid)
+        return Step([], Requested(root, rid, indices))
 
     # ---------------------------------------------------------------------------------------- queries
 
@@ -314,6 +423,7 @@ class AggregationNode:
                                 f"{addend.size - HEADER_WORDS} values cannot be added (parties disagree on "
                                 f"B)")
         self.masking.accumulate(total[HEADER_WORDS:], addend[HEADER_WORDS:])
+        total[3] = (int(total[3]) + int(addend[3])) & _WORD  # the masked overflow flag, mod 2**64
 
     def _advance(self, key: tuple[int, int], state: _Request) -> Step:
         role = state.role
@@ -324,9 +434,14 @@ class AggregationNode:
             if heard[0] != children[0] or heard[1] != children[1]:
                 return Step([])
             del self._requests[key]
+            self._finished[root].add(rid)
             masked, masks = state.totals
             values = self.masking.unmask(masked[HEADER_WORDS:], masks[HEADER_WORDS:])
-            return Step([], Completed(root, rid, values, state.out_of_range))
+            out_of_range = (int(masked[3]) - int(masks[3])) & _WORD
+            if out_of_range > self.size * values.size:  # more than every entry of every party
+                raise ProtocolError(f"request {key}: the overflow flags sum to {out_of_range}, more than "
+                                    f"the {self.size * values.size} entries; a party sent corrupt flags")
+            return Step([], Completed(root, rid, values, out_of_range))
         outgoing = []
         forwarded, totals = state.forwarded, state.totals
         for tree in (0, 1):
@@ -334,13 +449,14 @@ class AggregationNode:
                 buffer = totals[tree]
                 buffer[0] = _MASKED + tree  # MASKED up tree 1, MASKS up tree 2
                 buffer[1] = root
-                buffer[2] = rid
-                buffer[3] = state.out_of_range if tree == 0 else 0
+                buffer[2] = rid  # buffer[3] holds the summed (masked) overflow flags
                 outgoing.append(Outgoing(role.parents[tree], buffer))
                 forwarded[tree] = True
                 totals[tree] = None
         if forwarded[0] and forwarded[1]:
             del self._requests[key]
+            self._finished[root].add(rid)
+            self._requested[root].discard(rid)
         return Step(outgoing)
 
 

@@ -6,19 +6,39 @@ paper's case) sent with the capitalised buffer calls, never pickled. Indices and
 are exact in float64 up to 2**53.
 
 Exactly-once: every dominator numbers its broadcasts 0, 1, 2, ... and sends each to every
-collaborator. MPI delivers messages between two ranks on one communicator and tag in order, so a
-collaborator must see exactly the next number from each source: a gap (lost message) or a repeat
-(duplicate) is a protocol error, raised loudly instead of silently biasing the iteration (spec 3.2).
-The per-source counts are also what the SVRG outer-loop barrier uses to drain in-flight messages.
+collaborator. MPI delivers messages between two ranks on one communicator in order, so a collaborator
+must see exactly the next number from each source: a repeat (duplicate, replay), a gap (lost message)
+or a number out of order is a protocol violation, raised loudly instead of silently biasing the
+iteration (spec 3.2). The per-source counts are also what the SVRG outer-loop barrier uses to drain
+in-flight messages, so a dominator's ``DONE`` count is checked against them too (:meth:`Inbox.done`).
+
+Validation: a dominator is trusted only to follow the protocol, and its rows go straight into compiled
+kernels that write ``w[indices[p]]`` without bounds checks; so :meth:`Inbox.unpack` checks every field
+(sequence number, batch size, exact length, rows integral and in ``0..n_rows - 1``, ϑ finite) before
+anything reaches a worker, and raises :class:`DispatchError` (a
+:class:`~protocols.errors.ProtocolViolation` naming the sender) otherwise.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from protocols.errors import ProtocolViolation
 
-class DispatchError(RuntimeError):
-    """A (ϑ, i) message arrived out of sequence: it would be applied twice or one was lost."""
+__all__ = ["MAX_BATCH", "DispatchError", "Inbox", "pack"]
+
+#: Largest B a (ϑ, i) message may carry by default. The runtime sends B = 1; anything much larger on
+#: the hot path is not something the protocol produces.
+MAX_BATCH = 1 << 12
+_SCALAR_BATCH = 8
+_EXACT = float(1 << 53)  # float64 integers are exact below this
+_WHAT = "(ϑ, i) message"
+
+
+class DispatchError(ProtocolViolation):
+    """A (ϑ, i) message or a ``DONE`` count that the protocol cannot have produced (see the module doc)."""
 
 
 def pack(seq: int, rows: np.ndarray, thetas: np.ndarray) -> np.ndarray:
@@ -32,18 +52,105 @@ def pack(seq: int, rows: np.ndarray, thetas: np.ndarray) -> np.ndarray:
     return buf
 
 
+def _count(value: float) -> int | None:
+    """``value`` as a non-negative integer if it is one exactly (finite, integral, < 2**53), else None."""
+    if not (0.0 <= value < _EXACT) or value != int(value):  # NaN fails the first test
+        return None
+    return int(value)
+
+
 class Inbox:
-    """Collaborator side: checks sequence numbers per source and counts what arrived."""
+    """Collaborator side: validates every (ϑ, i) message, checks sequence numbers per source, counts.
 
-    def __init__(self, n_sources: int) -> None:
+    ``n_rows`` (this party's number of training rows) may be given here or per :meth:`unpack` call;
+    ``max_batch`` bounds B.
+    """
+
+    def __init__(self, n_sources: int, n_rows: int | None = None, *, max_batch: int = MAX_BATCH) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.n_rows = n_rows
+        self.max_batch = max_batch
         self.received = np.zeros(n_sources, dtype=np.int64)
+        #: per source: the last ``DONE`` count it announced
+        self.announced = np.zeros(n_sources, dtype=np.int64)
 
-    def unpack(self, source: int, buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rows (int64) and ϑ's of a received buffer; raises :class:`DispatchError` out of sequence."""
-        seq, b = int(buf[0]), int(buf[1])
-        if seq != self.received[source]:
-            kind = "duplicate" if seq < self.received[source] else "lost message"
-            raise DispatchError(f"(ϑ, i) from party {source}: got #{seq}, expected "
-                                f"#{self.received[source]} ({kind})")
-        self.received[source] += 1
-        return buf[2:2 + b].astype(np.int64), buf[2 + b:2 + 2 * b].copy()
+    def unpack(self, source: int, buf: np.ndarray, n_rows: int | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows (int64) and ϑ's of a message from ``source``, after checking every field of it.
+
+        Raises :class:`DispatchError` for a truncated or over-long buffer, a B outside
+        ``1..max_batch``, a row that is not an integer in ``0..n_rows - 1``, a ϑ that is NaN or
+        infinite, or a sequence number other than the next one expected from ``source``.
+        """
+        n_rows = self.n_rows if n_rows is None else n_rows
+        if n_rows is None:
+            raise ValueError("Inbox.unpack needs n_rows (this party's number of rows)")
+        self._check_source(source)
+        buf = np.asarray(buf)
+        if buf.dtype != np.float64 or buf.ndim != 1:
+            raise DispatchError(source, _WHAT, f"expected a 1-D float64 buffer, got {buf.dtype} {buf.shape}")
+        if buf.size < 4:
+            raise DispatchError(source, _WHAT, f"{buf.size} words is truncated (at least 4: seq, B, i, ϑ)")
+        seq, b = _count(float(buf[0])), _count(float(buf[1]))
+        if seq is None:
+            raise DispatchError(source, _WHAT, f"sequence number {float(buf[0])!r} is not a non-negative "
+                                               f"integer")
+        if b is None or not 1 <= b <= self.max_batch:
+            raise DispatchError(source, _WHAT, f"batch size B = {float(buf[1])!r} is not an integer in "
+                                               f"1..{self.max_batch}")
+        if buf.size != 2 + 2 * b:
+            kind = "truncated" if buf.size < 2 + 2 * b else "over-long"
+            raise DispatchError(source, _WHAT, f"{buf.size} words for B = {b} is {kind} (expected "
+                                               f"exactly {2 + 2 * b})")
+        rows, thetas = buf[2:2 + b], buf[2 + b:]
+        if b <= _SCALAR_BATCH:  # the B = 1 hot path: Python floats beat a handful of numpy calls
+            for row in rows.tolist():
+                if not (0.0 <= row < n_rows and row == int(row)):  # NaN fails the range test
+                    raise DispatchError(source, _WHAT, f"row {row!r} is not an integer in 0..{n_rows - 1}")
+            for theta in thetas.tolist():
+                if not math.isfinite(theta):
+                    raise DispatchError(source, _WHAT, f"ϑ = {theta!r} is not finite")
+        else:
+            bad = ~((rows >= 0) & (rows < n_rows) & (rows == np.floor(rows)))  # NaN compares False
+            if bad.any():
+                raise DispatchError(source, _WHAT, f"row {float(rows[bad][0])!r} is not an integer in "
+                                                   f"0..{n_rows - 1}")
+            finite = np.isfinite(thetas)
+            if not finite.all():
+                raise DispatchError(source, _WHAT, f"ϑ = {float(thetas[~finite][0])!r} is not finite")
+        expected = int(self.received[source])
+        if seq != expected:
+            kind = ("a duplicate or replay" if seq < expected
+                    else "out of order or after a lost message")
+            raise DispatchError(source, _WHAT, f"sequence number #{seq} where #{expected} was expected "
+                                               f"({kind})")
+        self.received[source] = expected + 1
+        return rows.astype(np.int64), thetas.copy()
+
+    def done(self, source: int, buf: np.ndarray) -> int:
+        """Validate a ``DONE`` message (one int64: how many (ϑ, i) ``source`` has sent in total).
+
+        The count can neither decrease nor exceed what has arrived from ``source``: MPI keeps one
+        sender's messages in order, and a dominator sends ``DONE`` after its broadcasts.
+        """
+        self._check_source(source)
+        buf = np.asarray(buf)
+        if buf.dtype != np.int64 or buf.shape != (1,):
+            raise DispatchError(source, "DONE message", f"expected one int64 word, got {buf.dtype} "
+                                                        f"{buf.shape}")
+        count = int(buf[0])
+        if count < 0:
+            raise DispatchError(source, "DONE message", f"count {count} is negative")
+        if count < self.announced[source]:
+            raise DispatchError(source, "DONE message", f"count {count} is below its previous count "
+                                                        f"{self.announced[source]}")
+        if count > self.received[source]:
+            raise DispatchError(source, "DONE message", f"count {count} exceeds the "
+                                                        f"{self.received[source]} (ϑ, i) messages received")
+        self.announced[source] = count
+        return count
+
+    def _check_source(self, source: int) -> None:
+        if not 0 <= source < self.received.size:
+            raise ValueError(f"source {source} is not a party of 0..{self.received.size - 1}")

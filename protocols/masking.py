@@ -6,13 +6,23 @@ Every value that travels is a 64-bit word, so both schemes share one wire format
   ``round(x * 2**fraction_bits)`` in two's complement modulo 2**64 and masks are uniform 64-bit words.
   Sums wrap around (numpy ``uint64`` arithmetic), so ``Σ(o + δ) - Σδ`` cancels *exactly* and every masked
   word the other parties see is uniformly distributed, whatever ``o`` is. The result is exact up to the
-  encoding: each party rounds once, so ``|z - Σo| <= q * resolution / 2``.
+  encoding and the final conversion: each party rounds once to the grid (``resolution / 2`` each), and
+  the root turns the exact integer sum into a float64 (relative ``2**-53``), so
+  ``|z - Σo| <= q * resolution / 2 + 2**-53 * (|Σo| + q * resolution / 2)``
+  (:meth:`FixedPointRing.error_bound`; the second term is what a plain float64 sum of large values pays
+  too).
+  A nonzero value below ``resolution / 2`` encodes as 0: its absolute error stays within the bound, but
+  its relative error is 1. The encoder then issues a :class:`PrecisionWarning` saying how many values
+  vanished; choose the scale from the range you expect with :meth:`FixedPointRing.for_range` (the finest
+  grid that still holds it) rather than the default.
   The encoded *sum* must stay inside the signed range; we cannot see a wrapped sum, so we bound each
   addend instead: a party whose ``|x|`` exceeds ``max_abs(q) = 2**62 / (q * 2**fraction_bits)`` (one
   bit of headroom, so float rounding at the boundary cannot wrap) or is NaN/inf contributes 0 for that
   entry and raises a count that travels up ``T1`` in the message header; the root then refuses the
-  result (:class:`AggregationOverflowError`). The count reveals how many entries were out of range,
-  never their values.
+  result (:class:`AggregationOverflowError`). The count travels masked (see
+  :mod:`protocols.aggregation`): only the root learns it, and only the total over all parties, never
+  which party's entries nor their values.
+* Complex input is refused (:class:`TypeError`): casting would silently drop the imaginary part.
   The default ``fraction_bits = 32`` gives a resolution of 2.3e-10 and, for q = 8, ``|x| <= 1.3e8``;
   raise it for more precision, lower it for larger values.
 * :class:`RealValued` (PAPER, Algorithm 1 as printed): ``float64`` values plus Gaussian masks
@@ -35,6 +45,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -47,7 +58,9 @@ __all__ = [
     "FixedPointRing",
     "Keystream",
     "MaskingScheme",
+    "PrecisionWarning",
     "RealValued",
+    "as_real_vector",
 ]
 
 Words = NDArray[np.uint64]
@@ -64,6 +77,30 @@ _CHUNK = 8192
 
 class AggregationOverflowError(OverflowError):
     """A party's value was non-finite or too large for the fixed-point encoding; the sum is unusable."""
+
+
+class PrecisionWarning(UserWarning):
+    """Nonzero values were smaller than half the fixed-point resolution and were encoded as 0."""
+
+
+def as_real_vector(values: object, what: str = "values") -> NDArray[np.float64]:
+    """``values`` as a non-empty 1-D float64 array; complex input is refused, not silently truncated."""
+    array = np.asarray(values)
+    if np.iscomplexobj(array):
+        raise TypeError(f"{what} are complex ({array.dtype}); secure aggregation sums real numbers and "
+                        f"would drop the imaginary part. Aggregate .real and .imag separately.")
+    if array.dtype.kind not in "biuf":
+        raise TypeError(f"{what} must be real numbers, got dtype {array.dtype}")
+    array = np.asarray(array, dtype=np.float64)
+    if array.ndim != 1 or array.size == 0:
+        raise ValueError(f"{what} must be a non-empty 1-D array, got shape {array.shape}")
+    return array
+
+
+def _warn_underflow(count: int, fraction_bits: int) -> None:
+    warnings.warn(f"{count} nonzero value(s) are smaller than half the fixed-point resolution "
+                  f"2**-{fraction_bits} and were encoded as 0 (relative error 1). Use more fraction bits, "
+                  f"e.g. FixedPointRing.for_range(largest |value|, parties).", PrecisionWarning, stacklevel=4)
 
 
 class Keystream:
@@ -92,6 +129,10 @@ class Keystream:
             out[...] = self._take(out.size)
         else:
             self._generate_into(out)
+
+    def word(self) -> int:
+        """One fresh random 64-bit word as a Python int (the masked overflow flag of each request)."""
+        return int(self._take(1)[0])
 
     def words(self, n: int) -> Words:
         out = np.empty(n, dtype=np.uint64)
@@ -175,6 +216,28 @@ class FixedPointRing(MaskingScheme):
         """The largest |value| a party may contribute so that the sum of all parties cannot overflow."""
         return math.ldexp(1.0, 62 - self.fraction_bits) / num_parties
 
+    def error_bound(self, num_parties: int, magnitude: float) -> float:
+        """Bound on ``|z - Σo|`` for a sum of ``num_parties`` in-range values with ``|Σo| <= magnitude``.
+
+        Each party's rounding to the grid (``resolution / 2``) plus the root's conversion of the exact
+        integer sum to float64 (relative ``2**-53`` of the fixed-point sum, itself within the first term
+        of ``Σo``); both are attained, so neither can be left out.
+        """
+        grid = num_parties * self.resolution / 2
+        return grid + math.ldexp(magnitude + grid, -53)
+
+    @classmethod
+    def for_range(cls, max_abs: float, num_parties: int) -> FixedPointRing:
+        """The finest encoding (most fraction bits) in which every party may contribute ``|x| <= max_abs``."""
+        if not (math.isfinite(max_abs) and max_abs > 0) or num_parties < 1:
+            raise ValueError(f"need a positive finite max_abs and num_parties >= 1, got {max_abs}, "
+                             f"{num_parties}")
+        # largest f with max_abs <= 2**(62 - f) / q, i.e. f <= 62 - log2(max_abs * q)
+        bits = 62 - math.ceil(math.log2(max_abs * num_parties))
+        if bits < 0:
+            raise ValueError(f"|values| up to {max_abs} from {num_parties} parties do not fit in 64 bits")
+        return cls(min(bits, 60))
+
     def encode(self, values: NDArray[np.float64], num_parties: int) -> tuple[Words, int]:
         out = np.empty(values.size, dtype=np.uint64)
         return out, self._encode_into(values, num_parties, out)
@@ -192,14 +255,19 @@ class FixedPointRing(MaskingScheme):
         # even (Python's round() and np.rint), two's complement modulo 2**64, and range rule.
         scale = math.ldexp(1.0, self.fraction_bits)
         bound = math.ldexp(1.0, 62) / num_parties
-        out_of_range = 0
+        out_of_range = underflow = 0
         for i, (value, mask) in enumerate(zip(values.tolist(), masks_out.tolist(), strict=True)):
             scaled = value * scale
             if -bound <= scaled <= bound:  # also false for NaN
-                masked_out[i] = (round(scaled) + mask) & _WORD
+                code = round(scaled)
+                if not code and value:
+                    underflow += 1
+                masked_out[i] = (code + mask) & _WORD
             else:
                 out_of_range += 1
                 masked_out[i] = mask
+        if underflow:
+            _warn_underflow(underflow, self.fraction_bits)
         return out_of_range
 
     def accumulate(self, total: Words, addend: Words) -> None:
@@ -228,7 +296,7 @@ class FixedPointRing(MaskingScheme):
         n = values.size
         scratch = np.empty(min(n, _CHUNK))
         as_signed = out.view(np.int64)
-        out_of_range = 0
+        out_of_range = underflow = 0
         for start in range(0, n, _CHUNK):
             end = min(start + _CHUNK, n)
             scaled = scratch[:end - start]
@@ -237,10 +305,15 @@ class FixedPointRing(MaskingScheme):
                 in_range = np.abs(scaled) <= bound
                 out_of_range += int(in_range.size - np.count_nonzero(in_range))
                 scaled[~in_range] = 0.0
+            # nonzero values that round to 0 (out-of-range entries were zeroed above, so not counted)
+            zeros_before = scaled.size - np.count_nonzero(scaled)
             np.rint(scaled, out=scaled)
+            underflow += scaled.size - np.count_nonzero(scaled) - zeros_before
             np.copyto(as_signed[start:end], scaled, casting="unsafe")  # exact: integral, |x| <= 2**62
             if plus is not None:
                 np.add(out[start:end], plus[start:end], out=out[start:end])  # wraps modulo 2**64
+        if underflow:
+            _warn_underflow(underflow, self.fraction_bits)
         return out_of_range
 
 

@@ -33,7 +33,10 @@ Decisions:
 * In ``secure_inner_product`` only the root needs the indices: it announces them with a ``REQUEST``
   message, as the VFB² runtime does; other ranks may pass ``None`` (or the same indices, which is checked).
 * Errors every rank detects identically (q = 2 without opt-in, a bad root) are raised everywhere before
-  any message is sent. A party's value that cannot be encoded does not stop the protocol; the root raises
+  any message is sent. Complex input is refused (``TypeError``), never silently made real.
+* Whatever another party sends is validated where it is received (transport frame, header, lengths,
+  indices); a bad message raises :class:`~protocols.errors.ProtocolViolation` naming the sender.
+* A party's value that cannot be encoded does not stop the protocol; the root raises
   :class:`~protocols.masking.AggregationOverflowError` instead of returning a wrong sum.
 """
 
@@ -47,8 +50,23 @@ import scipy.sparse as sp
 from mpi4py import MPI
 from numpy.typing import ArrayLike, NDArray
 
-from protocols.aggregation import AggregationNode, Completed, ProtocolError, Requested, Step
-from protocols.masking import AggregationOverflowError, FixedPointRing, MaskingScheme, RealValued
+from protocols.aggregation import (
+    DEFAULT_MAX_BATCH,
+    HEADER_WORDS,
+    AggregationNode,
+    Completed,
+    ProtocolError,
+    Requested,
+    Step,
+)
+from protocols.errors import ProtocolViolation
+from protocols.masking import (
+    AggregationOverflowError,
+    FixedPointRing,
+    MaskingScheme,
+    RealValued,
+    as_real_vector,
+)
 from protocols.transport import MpiTransport, Transport
 from protocols.trees import TreePair, build_all_tree_pairs
 
@@ -68,11 +86,15 @@ class SecureAggregator:
 
     ``seed`` selects the tree pairs (the same at every party); ``tree_pairs`` overrides them (one
     validated pair per root). ``masking`` defaults to :class:`~protocols.masking.FixedPointRing` with 32
-    fraction bits. q = 2 is refused unless ``allow_leaky_q2`` (see :mod:`protocols.trees`).
+    fraction bits. q = 2 is refused unless ``allow_leaky_q2`` (see :mod:`protocols.trees`). ``max_batch``
+    bounds how many values one request may carry: messages from other parties claiming more are
+    rejected (:class:`~protocols.errors.ProtocolViolation`), and :meth:`over_mpi` sizes its transport's
+    largest accepted message from it.
     """
 
     def __init__(self, transport: Transport, *, seed: int = 0, masking: MaskingScheme | None = None,
-                 tree_pairs: tuple[TreePair, ...] | None = None, allow_leaky_q2: bool = False) -> None:
+                 tree_pairs: tuple[TreePair, ...] | None = None, allow_leaky_q2: bool = False,
+                 max_batch: int = DEFAULT_MAX_BATCH) -> None:
         size = transport.size
         if size < 2:
             raise ValueError(f"secure aggregation needs at least 2 parties, the communicator has {size}")
@@ -80,7 +102,7 @@ class SecureAggregator:
             size, seed, allow_leaky_q2=allow_leaky_q2)
         self.transport = transport
         self.node = AggregationNode(transport.rank, size, pairs, masking=masking,
-                                    allow_leaky_q2=allow_leaky_q2)
+                                    allow_leaky_q2=allow_leaky_q2, max_batch=max_batch)
         self._announced: dict[tuple[int, int], Requested] = {}
         self._owned_comm: MPI.Comm | None = None
 
@@ -88,7 +110,8 @@ class SecureAggregator:
     def over_mpi(cls, comm: MPI.Comm, **options: Any) -> SecureAggregator:
         """An aggregator on a duplicate of ``comm`` (collective); :meth:`close` frees the duplicate."""
         own = comm.Dup()
-        aggregator = cls(MpiTransport(own), **options)
+        max_batch = options.get("max_batch", DEFAULT_MAX_BATCH)
+        aggregator = cls(MpiTransport(own, max_message_words=HEADER_WORDS + max_batch), **options)
         aggregator._owned_comm = own
         return aggregator
 
@@ -109,9 +132,7 @@ class SecureAggregator:
         if tree_pair is not None:
             root = tree_pair.root
         self._check_root(root)
-        local = np.asarray(values, dtype=np.float64)
-        if local.ndim != 1 or local.size == 0:
-            raise ValueError(f"values must be a non-empty 1-D array, got shape {local.shape}")
+        local = as_real_vector(values)
         rid = self.node.claim_request_id(root)
         return self._drive(root, rid, self.node.start(root, rid, local, tree_pair=tree_pair))
 
@@ -131,7 +152,8 @@ class SecureAggregator:
         rid = self.node.claim_request_id(root)
         chosen = self._await_announcement(root, rid).indices
         if np.any(chosen < 0) or np.any(chosen >= X.shape[0]):
-            raise ValueError(f"root {root} asked for sample indices outside this party's {X.shape[0]} rows")
+            raise ProtocolViolation(root, "REQUEST", f"sample indices {chosen.min()}..{chosen.max()} are "
+                                    f"outside this party's {X.shape[0]} rows")
         self._drive(root, rid, self.node.start(root, rid, local_scores(X, w, chosen)))
         if indices is not None and not np.array_equal(np.asarray(indices), chosen):
             raise ValueError(f"party {self.rank} passed indices that differ from root {root}'s")
@@ -251,6 +273,10 @@ def _aggregator_for(comm: MPI.Comm, seed: int, masking: MaskingScheme | None,
 
 
 def _check_block(w_local: ArrayLike, X_local: Any) -> tuple[NDArray[np.float64], Any]:
+    x_dtype = getattr(X_local, "dtype", None)
+    if np.iscomplexobj(w_local) or (x_dtype is not None and np.dtype(x_dtype).kind == "c"):
+        raise TypeError("w_local and X_local must be real: secure aggregation sums real numbers and would "
+                        "drop the imaginary part")
     w = np.asarray(w_local, dtype=np.float64)
     if w.ndim != 1:
         raise ValueError(f"w_local must be a 1-D weight vector, got shape {w.shape}")

@@ -18,7 +18,16 @@ communication thread receives the same way). A message longer than the capacity 
 *frame* holding its length in words, on ``tag``, then the words themselves on ``tag + 1``, which the
 receiver takes with an exact-size blocking ``Recv`` from the frame's source. Every ordinary message is a
 whole number of 8-byte words, so a 4-byte message can only be a frame, and MPI keeps the messages from one
-sender on one tag in order, so the k-th frame from a rank announces its k-th payload. Messages up to the
+sender on one tag in order, so the k-th frame from a rank announces its k-th payload.
+
+A frame's length comes from another party, so it is checked before anything is allocated: it must exceed
+the capacity (shorter messages are never framed) and must not exceed ``max_message_words``, the largest
+message the protocol above can legitimately send (by default a header plus
+:data:`~protocols.aggregation.DEFAULT_MAX_BATCH` values; :meth:`SecureAggregator.over_mpi
+<protocols.secure_aggregation.SecureAggregator.over_mpi>` derives it from its ``max_batch``). The payload
+must then be exactly that long. An empty message, one that is not a whole number of words, an unframed
+one longer than the capacity, or a payload of the wrong size all raise
+:class:`~protocols.errors.ProtocolViolation` naming the sender. Messages up to the
 capacity travel as they are, one buffer each: that is all of the VFB² runtime's hot path, which sends and
 receives its few-word ``AGGREGATION_TAG`` messages itself. Other tags on the communicator are left alone.
 
@@ -36,6 +45,8 @@ from typing import Protocol, TypeVar
 import numpy as np
 from mpi4py import MPI
 
+from protocols.aggregation import DEFAULT_MAX_BATCH, HEADER_WORDS
+from protocols.errors import ProtocolViolation
 from protocols.masking import Words
 
 __all__ = [
@@ -78,19 +89,24 @@ class MpiTransport:
     """
 
     DEFAULT_CAPACITY_WORDS = 1 << 13  # 64 KiB
+    DEFAULT_MAX_MESSAGE_WORDS = HEADER_WORDS + DEFAULT_MAX_BATCH
     _PRUNE_EVERY = 32
     _FRAME_BYTES = 4
 
     def __init__(self, comm: MPI.Comm, tag: int = AGGREGATION_TAG, *,
-                 capacity_words: int = DEFAULT_CAPACITY_WORDS) -> None:
+                 capacity_words: int = DEFAULT_CAPACITY_WORDS,
+                 max_message_words: int = DEFAULT_MAX_MESSAGE_WORDS) -> None:
         tag_limit = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         if not 0 <= tag < tag_limit:
             raise ValueError(f"tag must be in 0..{tag_limit - 1} (tag + 1 is used too), got {tag}")
         if capacity_words < 1:
             raise ValueError(f"capacity_words must be at least 1, got {capacity_words}")
+        if not 1 <= max_message_words < 1 << 32:
+            raise ValueError(f"max_message_words must be in 1..2**32 - 1, got {max_message_words}")
         self.comm = comm
         self.tag = tag
         self.capacity_words = capacity_words
+        self.max_message_words = max_message_words
         self._inbox = np.empty(capacity_words, dtype=np.uint64)
         self._inbox_spec = [self._inbox, MPI.BYTE]
         self._status = MPI.Status()
@@ -115,14 +131,39 @@ class MpiTransport:
             self._track(self.comm.Isend([buffer, MPI.BYTE], dest=dest, tag=self.tag), buffer)
 
     def recv(self) -> tuple[int, Words]:
+        """The next message: ``(source, words)``; a malformed one raises ``ProtocolViolation(source)``."""
         status = self._status
-        self.comm.Recv(self._inbox_spec, MPI.ANY_SOURCE, self.tag, status)
+        self._receive(self._inbox_spec, MPI.ANY_SOURCE, self.tag, status, "message")
         source, nbytes = status.Get_source(), status.Get_count(MPI.BYTE)
         if nbytes != self._FRAME_BYTES:
+            if nbytes == 0 or nbytes % 8:
+                raise ProtocolViolation(source, "message", f"{nbytes} bytes is not a whole, non-zero number "
+                                                           f"of 8-byte words")
+            if nbytes // 8 > self.max_message_words:
+                raise ProtocolViolation(source, "message", f"{nbytes // 8} words exceed the limit of "
+                                                           f"{self.max_message_words}")
             return source, self._inbox[:nbytes // 8].copy()
-        buffer = np.empty(int(self._inbox.view(np.uint32)[0]), dtype=np.uint64)
-        self.comm.Recv([buffer, MPI.BYTE], source, self.tag + 1)
+        words = int(self._inbox.view(np.uint32)[0])
+        if not self.capacity_words < words <= self.max_message_words:
+            raise ProtocolViolation(source, "frame", f"announces {words} words; a framed message has "
+                                                     f"more than {self.capacity_words} (else it is sent "
+                                                     f"whole) and at most {self.max_message_words}")
+        buffer = np.empty(words, dtype=np.uint64)
+        self._receive([buffer, MPI.BYTE], source, self.tag + 1, status, "framed payload")
+        if status.Get_count(MPI.BYTE) != buffer.nbytes:
+            raise ProtocolViolation(source, "framed payload", f"{status.Get_count(MPI.BYTE)} bytes where its "
+                                                              f"frame announced {buffer.nbytes}")
         return source, buffer
+
+    def _receive(self, spec: list, source: int, tag: int, status: MPI.Status, what: str) -> None:
+        """A blocking ``Recv``; a message longer than the buffer is the sender's fault, and says so."""
+        try:
+            self.comm.Recv(spec, source, tag, status)
+        except MPI.Exception as error:
+            if error.Get_error_class() != MPI.ERR_TRUNCATE:
+                raise
+            raise ProtocolViolation(status.Get_source(), what, f"longer than the {spec[0].nbytes} bytes "
+                                                               f"expected") from None
 
     def flush(self) -> None:
         if self._in_flight:

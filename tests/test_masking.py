@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from scipy import stats
 
-from protocols.masking import FixedPointRing, Keystream, RealValued
+from protocols.masking import FixedPointRing, Keystream, PrecisionWarning, RealValued, as_real_vector
 
 
 def _top_bits_uniform_pvalue(words: np.ndarray, bits: int = 4) -> float:
@@ -78,6 +80,7 @@ def test_buffered_small_draws_and_large_draws_never_repeat_a_word() -> None:
     assert 0.45 < np.unpackbits(singles.view(np.uint8)).mean() < 0.55
 
 
+@pytest.mark.filterwarnings("ignore::protocols.masking.PrecisionWarning")  # 0.5 * step rounds to 0
 @pytest.mark.parametrize("n", [1, 3, 8, 9, 20_000])
 def test_share_is_the_encoding_plus_fresh_masks_on_every_code_path(n: int) -> None:
     """Up to 8 values take a scalar Python path, more go through numpy in chunks of 8192; all must
@@ -143,3 +146,76 @@ def test_real_valued_masks_are_gaussian_with_the_chosen_scale_and_cancel_approxi
     scheme.accumulate(words, masks)
     assert bad == 0
     assert np.abs(scheme.unmask(words, masks) - values).max() < 1e-12
+
+
+# ------------------------------------------------------------------------- precision (hardening issue)
+
+
+@pytest.mark.parametrize("q", range(2, 17))
+def test_the_stated_error_bound_holds_including_the_final_float64_rounding(q: int) -> None:
+    """|z - Σo| <= error_bound(q, |Σo|), measured against the exact (rational) sum, for values from the
+    resolution up to the largest allowed. Large sums need the 2**-53 |Σo| term: q * resolution / 2 alone
+    (the old bound) is exceeded there."""
+    from fractions import Fraction
+
+    ring, keystream, batch = FixedPointRing(), Keystream(), 400
+    rng = np.random.default_rng(q)
+    exponents = rng.uniform(np.log2(ring.resolution), np.log2(ring.max_abs(q)), size=(q, batch))
+    values = rng.choice([-1.0, 1.0], size=(q, batch)) * 2.0**exponents
+    total_masked, total_masks = np.zeros(batch, np.uint64), np.zeros(batch, np.uint64)
+    for party in values:
+        masked, masks = np.empty(batch, np.uint64), np.empty(batch, np.uint64)
+        assert ring.share(party, q, keystream, masked, masks) == 0
+        ring.accumulate(total_masked, masked)
+        ring.accumulate(total_masks, masks)
+    z = ring.unmask(total_masked, total_masks)
+    exceeds_old_bound = 0
+    for j in range(batch):
+        exact = sum((Fraction(v) for v in values[:, j]), Fraction(0))
+        error = abs(Fraction(z[j]) - exact)
+        assert error <= Fraction(ring.error_bound(q, float(abs(exact)))) * (1 + Fraction(1, 10**9)), j
+        exceeds_old_bound += error > Fraction(q * ring.resolution / 2)
+    assert exceeds_old_bound > 0  # the final rounding is real, not a technicality
+
+
+def test_the_error_bound_formula() -> None:
+    ring = FixedPointRing(32)
+    assert ring.error_bound(8, 0.0) == pytest.approx(8 * 2.0**-33 * (1 + 2.0**-53))
+    assert ring.error_bound(8, 1e7) == pytest.approx(8 * 2.0**-33 + 1e7 * 2.0**-53)
+
+
+def test_values_below_the_resolution_warn_instead_of_vanishing_silently() -> None:
+    ring, keystream, q = FixedPointRing(32), Keystream(), 4
+    for n in (3, 20):  # the scalar and the vectorised path
+        values = np.full(n, 1e-12)
+        values[0] = 0.0  # an exact zero is not an underflow
+        masked, masks = np.empty(n, np.uint64), np.empty(n, np.uint64)
+        with pytest.warns(PrecisionWarning, match=rf"^{n - 1} nonzero value\(s\) are smaller than half the "
+                                                  rf"fixed-point resolution 2\*\*-32"):
+            ring.share(values, q, keystream, masked, masks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrecisionWarning)
+        ring.share(np.array([0.0, 1e-9, -0.0]), q, keystream, np.empty(3, np.uint64), np.empty(3, np.uint64))
+
+
+def test_for_range_picks_the_finest_scale_that_holds_the_declared_range() -> None:
+    ring = FixedPointRing.for_range(10.0, num_parties=8)
+    assert ring.fraction_bits == 55
+    assert ring.max_abs(8) >= 10.0 and FixedPointRing(ring.fraction_bits + 1).max_abs(8) < 10.0
+    keystream = Keystream()
+    values = np.array([1e-12, -3e-13, 10.0])
+    masked, masks = np.empty(3, np.uint64), np.empty(3, np.uint64)
+    assert ring.share(values, 8, keystream, masked, masks) == 0  # no warning: represented
+    decoded = ring.unmask(masked, masks)
+    assert np.all(np.abs(decoded - values) <= ring.resolution / 2)
+    assert np.abs(decoded[:2] / values[:2] - 1).max() < 1e-3
+    with pytest.raises(ValueError, match="positive finite"):
+        FixedPointRing.for_range(np.inf, 4)
+
+
+def test_complex_values_are_refused_not_truncated() -> None:
+    with pytest.raises(TypeError, match=r"complex .* imaginary part"):
+        as_real_vector(np.array([1.0 + 2.0j]))
+    with pytest.raises(TypeError, match="real numbers"):
+        as_real_vector(np.array(["1.0"]))
+    assert as_real_vector([1, 2]).dtype == np.float64

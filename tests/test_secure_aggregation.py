@@ -21,9 +21,16 @@ from protocols.aggregation import (
     Step,
     header_of,
 )
+from protocols.errors import ProtocolViolation
 from protocols.masking import AggregationOverflowError, FixedPointRing, RealValued
 from protocols.secure_aggregation import SecureAggregator, local_scores
-from protocols.transport import InProcessTransport, MpiTransport, RecordingTransport, run_parties
+from protocols.transport import (
+    InProcessNetwork,
+    InProcessTransport,
+    MpiTransport,
+    RecordingTransport,
+    run_parties,
+)
 from protocols.trees import InsecureTreePairError, build_all_tree_pairs, paper_example_pair
 from tests.conftest import run_mpi
 
@@ -211,7 +218,7 @@ def test_mpi_transport_frames_messages_longer_than_its_receive_buffer() -> None:
     in order, and each received buffer belongs to the caller (later receives do not overwrite it)."""
     comm = MPI.COMM_SELF.Dup()
     transport = MpiTransport(comm, capacity_words=8)
-    sizes = [5, 9, 0, 8, 3000, 1, 64, 2]
+    sizes = [5, 9, 4, 8, 3000, 1, 64, 2]  # no empty message: the receiver rejects those
     sent = [np.arange(n, dtype=np.uint64) * np.uint64(2**40 + 7) + np.uint64(n) for n in sizes]
     for buffer in sent:
         transport.send(0, buffer)
@@ -317,3 +324,72 @@ def test_secure_aggregation_over_real_mpi(q: int) -> None:
 def test_documented_example_runs_under_mpiexec() -> None:
     proc = run_mpi(4, ["tests/mpi_scripts/secure_agg_example.py"], timeout=60)
     assert "matches the plain sum: True" in proc.stdout
+
+
+# ------------------------------------------------------------------------------ hardening additions
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_overflow_flags_are_masked_so_a_parent_cannot_tell_which_child_overflowed(batch: int) -> None:
+    """Each party's out-of-range count travels as a masked ring word (header word 3), like a value: the
+    root still learns the total and refuses the result, but every flag word any party receives is
+    uniform, whichever child overflowed (it used to be the child's count, in clear)."""
+    q = 5
+    pairs = build_all_tree_pairs(q, 2)
+    parents = {p: pairs[0].t1.parent[p] for p in range(1, q)}
+    inner = next(p for p in range(1, q) if len(pairs[0].t1.children[p]) >= 2)  # a non-root parent
+    flag_words: dict[int, list[int]] = {}
+    for overflowing in pairs[0].t1.children[inner]:
+        recorders: list[RecordingTransport] = []
+
+        def party(transport: InProcessTransport, overflowing: int = overflowing,
+                  recorders: list[RecordingTransport] = recorders) -> object:
+            recorder = RecordingTransport(transport)
+            recorders.append(recorder)
+            values = np.ones(batch)
+            if transport.rank == overflowing:
+                values[-1] = np.inf
+            try:
+                return SecureAggregator(recorder, tree_pairs=pairs).sum(values, root=0)
+            except AggregationOverflowError as error:
+                return error
+
+        outcome = run_parties(q, party)
+        assert isinstance(outcome[0], AggregationOverflowError) and "1 contributed value" in str(outcome[0])
+        for recorder in recorders:
+            seen = [int(buffer[3]) for _, buffer in recorder.received]
+            assert len(set(seen)) == len(seen)  # fresh masks: no two flag words alike at one party
+            flag_words.setdefault(overflowing, []).extend(seen)
+        assert parents[overflowing] == inner
+    # in clear these were 0 (no overflow below) or 1 (below the overflowing child); masked, every word
+    # is uniform on 64 bits, whichever child overflowed (a word <= q * B has probability < 2**-57)
+    words = [w for ws in flag_words.values() for w in ws]
+    assert len(words) == 2 * 2 * (q - 1)
+    assert all(w > q * batch for w in words)
+
+
+def test_complex_input_is_refused_with_a_clear_error() -> None:
+    def party(transport: InProcessTransport) -> None:
+        aggregator = SecureAggregator(transport)
+        with pytest.raises(TypeError, match="complex"):
+            aggregator.sum(np.array([1.0 + 1.0j, 2.0]))
+        with pytest.raises(TypeError, match="must be real"):
+            aggregator.inner_product(np.ones(2, dtype=complex), np.ones((4, 2)), [0], root=0)
+        with pytest.raises(TypeError, match="must be real"):
+            aggregator.inner_product(np.ones(2), np.ones((4, 2), dtype=complex), [0], root=0)
+        with pytest.raises(TypeError, match="complex"):
+            aggregator.node.start(0, 99, np.array([1j]))
+
+    run_parties(3, party)
+
+
+def test_a_party_asked_for_rows_it_does_not_have_names_the_root() -> None:
+    """The root announces row 7; party 1 has 5 rows: it refuses, naming the root."""
+    network = InProcessNetwork(3, timeout=5)
+    pairs = build_all_tree_pairs(3, 0)
+    _, announcements = AggregationNode(0, 3, pairs).announce(np.array([7]))
+    for message in announcements:
+        network.transport(0).send(message.dest, message.buffer)
+    aggregator = SecureAggregator(network.transport(1), tree_pairs=pairs)
+    with pytest.raises(ProtocolViolation, match=r"^party 0 sent an invalid REQUEST: sample indices 7\.\.7"):
+        aggregator.inner_product(np.ones(2), np.ones((5, 2)), None, root=0)

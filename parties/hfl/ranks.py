@@ -62,7 +62,7 @@ def run_job(comm: Any, config: HflConfig) -> None:
         model.check_data(shard.data.X, shard.data.y, f"client process {rank - 1}'s data")
     job = _Job(comm, config, model, build_algorithm(config), Streams.from_seed(config.seed, config.clients),
                shard)
-    hosts = comm.gather(None if shard is None else shard.client_ids.tolist(), root=SERVER)
+    hosts = _gather_hosts(comm, None if shard is None else shard.client_ids, config.clients)
     x0 = torch.empty(model.dim, dtype=config.torch_dtype)
     if rank == SERVER:
         _check_hosts(hosts, config.clients)
@@ -78,6 +78,30 @@ def run_job(comm: Any, config: HflConfig) -> None:
     del stores
     server = Server(job, server_state, [torch.tensor(h) for h in hosts[1:]], _server_test_set(config))
     _serve_rounds(server, config)
+
+
+def _gather_hosts(comm: Any, client_ids: torch.Tensor | None, n_clients: int) -> list[list[int] | None]:
+    """At the server: the client ids each rank hosts (``None`` for the server itself); ``[]`` elsewhere.
+
+    Buffer calls only (``Gather`` of the counts, then ``Gatherv`` of the ids as int64), never the pickling
+    ``gather``: a client process could otherwise make the server run code. The counts come from other
+    ranks, so they are checked before they size the receive buffer.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ids = np.zeros(0, dtype=np.int64) if client_ids is None else np.asarray(client_ids, dtype=np.int64)
+    counts = np.zeros(size, dtype=np.int64) if rank == SERVER else None
+    comm.Gather(np.array([ids.size], dtype=np.int64), counts, root=SERVER)
+    if rank != SERVER:
+        comm.Gatherv(ids, None, root=SERVER)
+        return []
+    assert counts is not None
+    for source, count in enumerate(counts.tolist()):
+        if not 0 <= count <= n_clients or (source == SERVER and count):
+            raise ConfigError(f"rank {source} says it hosts {count} clients (there are {n_clients})")
+    received = np.empty(int(counts.sum()), dtype=np.int64)
+    comm.Gatherv(ids, [received, counts.tolist()], root=SERVER)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    return [None] + [received[offsets[r]:offsets[r + 1]].tolist() for r in range(1, size)]
 
 
 def _check_hosts(hosts: list[list[int] | None], n_clients: int) -> None:

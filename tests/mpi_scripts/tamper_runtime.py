@@ -1,0 +1,68 @@
+"""Run under ``mpiexec -n 3``: a real VFB² runtime where party 1 (a dominator) sends party 0 one bad
+message with a raw ``Send`` after some honest training, as a tampering party would.
+
+``argv[1]`` picks the message: ``row`` (a (ϑ, i) message for row n + 1, which used to reach the numba
+update kernel and crash it), ``truncated`` (a (ϑ, i) message one word short) or ``pickle`` (a pickle
+payload that would create ``argv[2]`` if anything unpickled it). Party 0 must end the job naming party 1;
+without that, every rank closes normally and prints ``NOT REJECTED``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from parties.runtime import TAG_THETA, PartyRuntime, PartyState
+from protocols.dispatch import pack
+from vfl.algorithms.vfb2 import Block, get_rule
+from vfl.problems import get_problem
+
+N_ROWS, WIDTH = 40, 3
+
+
+class _WritesMarker:
+    """Unpickling this calls ``open(path, "w")``: proof that a receiver executed a peer's payload."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    rng = np.random.default_rng(rank)
+    block = Block.from_matrix(rng.normal(size=(N_ROWS, WIDTH)))
+    problem = get_problem("logistic", lam=0.1)
+    active = rank < 2
+    party = PartyState(rank=rank, block=block, w=np.zeros(WIDTH),
+                       rule=get_rule("sgd")(block, problem.regularizer, problem.lam, 0.05),
+                       problem=problem if active else None,
+                       y=rng.choice([-1.0, 1.0], N_ROWS) if active else None)
+    runtime = PartyRuntime(comm, party, active_ranks=[0, 1], threads=1, seed=0)
+    if rank == 0:
+        runtime.dominate(10)  # honest traffic first: the bad message is not the first one
+    comm.Barrier()
+    if rank == 1:
+        if scenario == "row":
+            bad = pack(0, np.array([N_ROWS + 1]), np.array([0.5]))
+        elif scenario == "truncated":
+            bad = pack(0, np.array([3]), np.array([0.5]))[:-1].copy()
+        else:
+            bad = np.frombuffer(pickle.dumps(_WritesMarker(sys.argv[2])), dtype=np.uint8).copy()
+        runtime.data.Send([bad, MPI.BYTE], 0, TAG_THETA)
+    time.sleep(3)  # party 0's communication thread sees the message now; a correct party aborts the job
+    runtime.close()
+    print(f"NOT REJECTED {rank} {os.path.exists(sys.argv[2]) if len(sys.argv) > 2 else ''}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
