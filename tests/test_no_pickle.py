@@ -105,9 +105,11 @@ class _WritesMarker:
 
 
 def _payload(path: Path, pad_to_words: bool) -> np.ndarray:
-    blob = pickle.dumps(_WritesMarker(path))
+    blob = pickle.dumps(_WritesMarker(path))  # unpickling stops at its STOP opcode: padding is ignored
     if pad_to_words:
         blob += bytes(-len(blob) % 8)
+    elif len(blob) % 8 == 0:  # the path's length decides: keep this payload a ragged number of bytes
+        blob += b"\x00"
     return np.frombuffer(blob, dtype=np.uint8).copy()
 
 
