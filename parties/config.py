@@ -49,6 +49,7 @@ class RunConfig:
     straggler: int | None = None
     slowdown: float = 0.4
     apply_delay_ms: float = 0.0
+    peer_timeout: float = 30.0
     out: str | None = None
     party_dir: str | None = None
     overwrite: bool = False
@@ -116,6 +117,8 @@ def validate(config: RunConfig) -> RunConfig:
         raise ConfigError(f"--straggler must be a party rank in 0..{c.parties - 1} (got {c.straggler})")
     if c.slowdown < 0:
         raise ConfigError(f"--slowdown must be non-negative (got {c.slowdown})")
+    if not c.peer_timeout > 0:
+        raise ConfigError(f"--peer-timeout must be positive (got {c.peer_timeout})")
     if c.apply_delay_ms < 0:
         raise ConfigError(f"--apply-delay-ms must be non-negative (got {c.apply_delay_ms})")
     if c.target_suboptimality is not None and c.target_suboptimality <= 0:
@@ -220,6 +223,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--slowdown", type=float, default=d.slowdown, help="straggler's extra time fraction")
     p.add_argument("--apply-delay-ms", type=float, default=d.apply_delay_ms,
                    help="the straggler's workers wait this long before applying each batch of (ϑ, i)")
+    p.add_argument("--peer-timeout", type=float, default=d.peer_timeout,
+                   help="end the job when a party has been silent this many seconds")
     p.add_argument("--out", default=None,
                    help="folder of this run: metrics, each party's block (default: a new "
                         "runs/<time>-<dataset>, with runs/latest pointing to it)")

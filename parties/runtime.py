@@ -47,6 +47,7 @@ TAG_THETA = 0x7E7A
 TAG_ACK = 0xAC4
 TAG_STOP = 0x5709
 TAG_DONE = 0xD0E
+TAG_HEARTBEAT = 0xBEA7
 #: Largest message on the data communicator (the hot path sends B = 1 messages of a few words; the
 #: batched full passes use the collective library call on a separate communicator).
 MAX_MESSAGE_WORDS = 1 << 13
@@ -115,7 +116,7 @@ class PartyRuntime:
     def __init__(self, comm: MPI.Comm, party: PartyState, *, active_ranks: list[int], threads: int,
                  seed: int, mode: str = "async", dispatch: bool = True, batch_size: int = 1,
                  inflight: int = 1, straggler: int | None = None, slowdown: float = 0.0,
-                 apply_delay: float = 0.0,
+                 apply_delay: float = 0.0, peer_timeout: float = 30.0,
                  allow_two_parties: bool = False, audit: bool = False) -> None:
         self.party = party
         self.rank = comm.Get_rank()
@@ -156,7 +157,15 @@ class PartyRuntime:
         self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(threads)]
         self.failure: BaseException | None = None
         self._rng = np.random.default_rng([seed, self.rank])
+        self.peer_timeout = peer_timeout
+        self.last_heard = np.zeros(self.q)
+        self._stopping = threading.Event()
         self._warm_up()
+        self.ctrl.Barrier()  # every party is warm: silence from now on means something
+        self.last_heard[:] = time.monotonic()
+        self._heartbeat = threading.Thread(target=self._guard(self._heartbeat_loop), name="heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
         self._threads = [threading.Thread(target=self._guard(self._comm_loop), name="comm", daemon=True)]
         self._threads += [threading.Thread(target=self._guard(self._worker_loop), args=(qu,),
                                            name=f"worker-{k}", daemon=True)
@@ -219,6 +228,7 @@ class PartyRuntime:
             check_envelope(source, tag, nbytes, rank=self.rank, active_ranks=self.active_ranks,
                            synchronous=self.synchronous)
             msg = raw[:nbytes // 8]
+            self.last_heard[source] = time.monotonic()
             if self.transcript is not None:
                 self.transcript.append((source, tag, msg.copy()))
             if tag == TAG_STOP:
@@ -236,6 +246,24 @@ class PartyRuntime:
                     self.applied_cond.notify_all()
             elif tag == TAG_ACK:
                 self.acks.put(source)
+            # TAG_HEARTBEAT: being heard from is all it says
+
+    def _heartbeat_loop(self) -> None:
+        """Liveness: tell every other party this one is alive, and end the job when one has been
+        silent for ``peer_timeout`` seconds. A party that is stopped, cut off or frozen would otherwise
+        leave the others waiting forever (a crashed one is already handled: MPI ends the job)."""
+        beat = np.zeros(1, dtype=np.uint64)
+        others = [r for r in range(self.q) if r != self.rank]
+        while not self._stopping.wait(min(self.peer_timeout / 4, 0.5)):
+            for dest in others:
+                self.sender.send(beat, dest, TAG_HEARTBEAT)
+            now = time.monotonic()
+            silent = max(others, key=lambda r: now - self.last_heard[r])
+            gap = now - self.last_heard[silent]
+            if gap > self.peer_timeout:
+                stop_job(self.data, self.rank, "failed",
+                         f"party {silent} has been silent for {gap:.1f} s (stopped, unreachable or hung?); "
+                         f"--peer-timeout is {self.peer_timeout:g} s")
 
     def _on_aggregation(self, source: int, buf: np.ndarray) -> None:
         started = time.perf_counter()
@@ -442,6 +470,8 @@ class PartyRuntime:
     def close(self) -> None:
         """Stop this party's threads (collective with the other parties)."""
         self.ctrl.Barrier()
+        self._stopping.set()
+        self._heartbeat.join()
         for qu in self.queues:
             qu.put(None)
         self.data.Send(np.zeros(1, np.uint64), self.rank, TAG_STOP)
@@ -470,6 +500,8 @@ def check_envelope(source: int, tag: int, nbytes: int, *, rank: int, active_rank
         what, allowed, words = "ACK message", source != rank and synchronous, 1
     elif tag == TAG_STOP:
         what, allowed, words = "STOP message", source == rank, 1
+    elif tag == TAG_HEARTBEAT:
+        what, allowed, words = "heartbeat", source != rank, 1
     else:
         raise ProtocolViolation(source, "message", f"unknown tag {tag:#x}")
     if not allowed:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from parties.launch import first_to_die
-from parties.runtime import TAG_DONE, TAG_STOP, TAG_THETA
+from parties.runtime import TAG_DONE, TAG_HEARTBEAT, TAG_STOP, TAG_THETA
 from protocols.aggregation import HEADER_WORDS, Kind
 from protocols.transport import AGGREGATION_TAG
 from tests.conftest import REPO_ROOT, run_mpi
@@ -99,13 +99,16 @@ def test_messages_carry_only_what_the_protocol_allows(svrg_run):
     """Spec 3.5: the hot path carries sample indices, masked tree sums and (ϑ, i): nothing that could
     hold a label vector or a feature row (every message is a few words for B = 1)."""
     y = load("breast-cancer", seed=0).y_train
-    allowed = {(AGGREGATION_TAG, HEADER_WORDS + 1), (TAG_THETA, 4), (TAG_DONE, 1), (TAG_STOP, 1)}
+    allowed = {(AGGREGATION_TAG, HEADER_WORDS + 1), (TAG_THETA, 4), (TAG_DONE, 1), (TAG_STOP, 1),
+               (TAG_HEARTBEAT, 1)}
     top_bytes = []
     for rank in range(3):
         rec = _transcript(svrg_run, rank)
         kinds = set(zip(rec["tags"].tolist(), rec["lengths"].tolist(), strict=True))
         assert kinds <= allowed, kinds - allowed
         offsets = np.concatenate([[0], np.cumsum(rec["lengths"])])
+        for k in np.flatnonzero(rec["tags"] == TAG_HEARTBEAT):
+            assert rec["words"][offsets[k]] == 0  # a heartbeat says nothing but "alive"
         for k in np.flatnonzero(rec["tags"] == TAG_THETA):
             _, b, i, theta = rec["words"][offsets[k]:offsets[k + 1]].view(np.float64)
             assert b == 1 and 0 <= i < y.size and abs(theta) < 1.0  # ϑ, not the label ±1
@@ -244,6 +247,33 @@ def test_killing_a_party_ends_the_job_naming_it(tmp_path):
     assert proc.returncode != 0
     assert time.monotonic() - killed < 10
     assert "party 2 died first" in stderr
+
+
+def test_a_stopped_party_ends_the_job_naming_it_within_the_peer_timeout(tmp_path):
+    """SIGSTOP: the party neither dies nor answers (like a frozen host or a cut cable)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    cmd = [sys.executable, "-m", "vfl.cli", "train", "--out", str(tmp_path), "--no-progress", "-n", "3",
+           "-m", "1", "--algorithm", "sgd", "--epochs", "1000", "--peer-timeout", "3", *CANCER]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 60
+    log = tmp_path / "metrics.jsonl"
+    while not (log.exists() and len(log.read_text().splitlines()) >= 2):  # training is under way
+        assert time.monotonic() < deadline and proc.poll() is None, "the job did not start training"
+        time.sleep(0.2)
+    victim = int((tmp_path / "party-2.pid").read_text())
+    os.kill(victim, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        _, stderr = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.kill(victim, signal.SIGKILL)
+        proc.kill()
+        raise
+    ended = time.monotonic() - stopped
+    assert proc.returncode != 0
+    assert ended < 3 + 2, f"the job took {ended:.1f} s to end"  # the issue's bound: timeout + 2 s
+    assert "party 2 has been silent for" in stderr
 
 
 def test_predict_reproduces_the_trained_model_through_secure_aggregation(svrg_run):
