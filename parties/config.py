@@ -50,6 +50,8 @@ class RunConfig:
     slowdown: float = 0.4
     apply_delay_ms: float = 0.0
     peer_timeout: float = 30.0
+    link_delay_ms: float = 0.0
+    link_jitter_ms: float = 0.0
     out: str | None = None
     party_dir: str | None = None
     overwrite: bool = False
@@ -117,6 +119,9 @@ def validate(config: RunConfig) -> RunConfig:
         raise ConfigError(f"--straggler must be a party rank in 0..{c.parties - 1} (got {c.straggler})")
     if c.slowdown < 0:
         raise ConfigError(f"--slowdown must be non-negative (got {c.slowdown})")
+    for name in ("link_delay_ms", "link_jitter_ms"):
+        if getattr(c, name) < 0:
+            raise ConfigError(f"--{name.replace('_ms', '').replace('_', '-')} must be non-negative (ms)")
     if not c.peer_timeout > 0:
         raise ConfigError(f"--peer-timeout must be positive (got {c.peer_timeout})")
     if c.apply_delay_ms < 0:
@@ -223,6 +228,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--slowdown", type=float, default=d.slowdown, help="straggler's extra time fraction")
     p.add_argument("--apply-delay-ms", type=float, default=d.apply_delay_ms,
                    help="the straggler's workers wait this long before applying each batch of (ϑ, i)")
+    p.add_argument("--link-delay", dest="link_delay_ms", type=float, default=d.link_delay_ms, metavar="MS",
+                   help="emulated one-way latency: every message between parties is held this long")
+    p.add_argument("--link-jitter", dest="link_jitter_ms", type=float, default=d.link_jitter_ms,
+                   metavar="MS", help="plus a uniform random extra delay of up to this much")
     p.add_argument("--peer-timeout", type=float, default=d.peer_timeout,
                    help="end the job when a party has been silent this many seconds")
     p.add_argument("--out", default=None,

@@ -34,6 +34,7 @@ from mpi4py import MPI
 
 from parties.outcomes import EXIT_CODES
 from protocols.aggregation import AggregationNode, Completed, Requested
+from protocols.delay import DelayedDelivery
 from protocols.dispatch import Inbox, pack
 from protocols.errors import ProtocolViolation
 from protocols.masking import AggregationOverflowError
@@ -116,7 +117,8 @@ class PartyRuntime:
     def __init__(self, comm: MPI.Comm, party: PartyState, *, active_ranks: list[int], threads: int,
                  seed: int, mode: str = "async", dispatch: bool = True, batch_size: int = 1,
                  inflight: int = 1, straggler: int | None = None, slowdown: float = 0.0,
-                 apply_delay: float = 0.0, peer_timeout: float = 30.0,
+                 apply_delay: float = 0.0, peer_timeout: float = 30.0, link_delay: float = 0.0,
+                 link_jitter: float = 0.0,
                  allow_two_parties: bool = False, audit: bool = False) -> None:
         self.party = party
         self.rank = comm.Get_rank()
@@ -166,6 +168,9 @@ class PartyRuntime:
         self._heartbeat = threading.Thread(target=self._guard(self._heartbeat_loop), name="heartbeat",
                                            daemon=True)
         self._heartbeat.start()
+        #: with an emulated link delay, received messages wait there before they are processed
+        self.link = (DelayedDelivery(self._process, link_delay, link_jitter, seed=seed + self.rank,
+                                     wrap=self._guard) if link_delay or link_jitter else None)
         self._threads = [threading.Thread(target=self._guard(self._comm_loop), name="comm", daemon=True)]
         self._threads += [threading.Thread(target=self._guard(self._worker_loop), args=(qu,),
                                            name=f"worker-{k}", daemon=True)
@@ -214,7 +219,6 @@ class PartyRuntime:
         # and _guard ends the job with it.
         raw = np.empty(MAX_MESSAGE_WORDS, dtype=np.uint64)
         status = MPI.Status()
-        n_rows = self.party.block.n_rows
         while True:
             try:
                 self.data.Recv([raw, MPI.BYTE], MPI.ANY_SOURCE, MPI.ANY_TAG, status)
@@ -233,20 +237,27 @@ class PartyRuntime:
                 self.transcript.append((source, tag, msg.copy()))
             if tag == TAG_STOP:
                 return
-            if tag == AGGREGATION_TAG:
-                self._on_aggregation(source, msg.copy())
-            elif tag == TAG_THETA:
-                rows, thetas = self.inbox.unpack(source, msg.view(np.float64), n_rows)
-                self.queues[self.active_ranks.index(source) % len(self.queues)].put((source, rows, thetas))
-            elif tag == TAG_DONE:
-                count = self.inbox.done(source, msg.view(np.int64))
-                with self.applied_cond:
-                    self.done_segments[source] += 1
-                    self.done_sent[source] = count
-                    self.applied_cond.notify_all()
-            elif tag == TAG_ACK:
-                self.acks.put(source)
-            # TAG_HEARTBEAT: being heard from is all it says
+            if self.link is not None:  # emulated latency: processed later, so keep a copy
+                self.link.submit(source, tag, msg.copy())
+            else:
+                self._process(source, tag, msg)
+
+    def _process(self, source: int, tag: int, msg: np.ndarray) -> None:
+        """Act on one validated data-plane message (the communication or the link-delay thread)."""
+        if tag == AGGREGATION_TAG:
+            self._on_aggregation(source, msg.copy())
+        elif tag == TAG_THETA:
+            rows, thetas = self.inbox.unpack(source, msg.view(np.float64), self.party.block.n_rows)
+            self.queues[self.active_ranks.index(source) % len(self.queues)].put((source, rows, thetas))
+        elif tag == TAG_DONE:
+            count = self.inbox.done(source, msg.view(np.int64))
+            with self.applied_cond:
+                self.done_segments[source] += 1
+                self.done_sent[source] = count
+                self.applied_cond.notify_all()
+        elif tag == TAG_ACK:
+            self.acks.put(source)
+        # TAG_HEARTBEAT: being heard from is all it says
 
     def _heartbeat_loop(self) -> None:
         """Liveness: tell every other party this one is alive, and end the job when one has been
@@ -477,6 +488,8 @@ class PartyRuntime:
         self.data.Send(np.zeros(1, np.uint64), self.rank, TAG_STOP)
         for t in self._threads:
             t.join()
+        if self.link is not None:
+            self.link.close()
         self.sender.flush()
         self.aggregator.close()
         self.ctrl.Barrier()

@@ -55,7 +55,8 @@ def train(comm: MPI.Comm, party: PartyState, config: RunConfig) -> TrainResult:
         seed=config.seed, mode=config.mode, dispatch=algorithm.dispatch, batch_size=config.batch_size,
         inflight=config.inflight,
         straggler=config.straggler, slowdown=config.slowdown, apply_delay=config.apply_delay_ms / 1e3,
-        peer_timeout=config.peer_timeout, allow_two_parties=config.allow_two_parties,
+        peer_timeout=config.peer_timeout, link_delay=config.link_delay_ms / 1e3,
+        link_jitter=config.link_jitter_ms / 1e3, allow_two_parties=config.allow_two_parties,
         audit=config.audit)
     result = _Trainer(runtime, config).run()
     runtime.close()
