@@ -39,7 +39,7 @@ from protocols.dispatch import Inbox, pack
 from protocols.errors import ProtocolViolation
 from protocols.masking import AggregationOverflowError
 from protocols.secure_aggregation import SecureAggregator
-from protocols.transport import AGGREGATION_TAG
+from protocols.transport import AGGREGATION_TAG, RecordingTransport
 from protocols.trees import build_all_tree_pairs
 from vfl.algorithms.vfb2 import Block, UpdateRule
 from vfl.problems import Problem
@@ -49,6 +49,12 @@ TAG_ACK = 0xAC4
 TAG_STOP = 0x5709
 TAG_DONE = 0xD0E
 TAG_HEARTBEAT = 0xBEA7
+#: Audit labels of what arrives on the control communicator (collectives, not tagged messages there):
+#: secure-aggregation traffic of the full passes, the full ϑ vector, and control words.
+AUDIT_CTRL_AGGREGATION = 0x1C5EC
+AUDIT_FULL_THETA = 0x1C7E7
+AUDIT_CONTROL_WORD = 0x1C0DE
+AUDIT_LABELS = (AUDIT_CTRL_AGGREGATION, AUDIT_FULL_THETA, AUDIT_CONTROL_WORD)
 #: Largest message on the data communicator (the hot path sends B = 1 messages of a few words; the
 #: batched full passes use the collective library call on a separate communicator).
 MAX_MESSAGE_WORDS = 1 << 13
@@ -144,8 +150,11 @@ class PartyRuntime:
         self.node_lock = threading.Lock()
         self.aggregator = SecureAggregator.over_mpi(self.ctrl, tree_pairs=pairs,
                                                     allow_leaky_q2=allow_two_parties)
-        #: With ``audit``, every message this party receives on the data plane: (source, tag, words).
+        #: With ``audit``, everything this party receives, on every communicator: (source, tag, words).
+        #: Data-plane messages keep their tag; the control plane's are labelled ``AUDIT_*``.
         self.transcript: list[tuple[int, int, np.ndarray]] | None = [] if audit else None
+        if audit:
+            self.aggregator.transport = RecordingTransport(self.aggregator.transport)
         self.inbox = Inbox(self.q)
         self.applied = np.zeros(self.q, dtype=np.int64)
         self.applied_cond = threading.Condition()
@@ -459,7 +468,34 @@ class PartyRuntime:
             assert self.party.problem is not None
             theta[:] = self.party.problem.theta(z, self.party.y)
         self.ctrl.Bcast(theta, root=root)
+        self._record(root, AUDIT_FULL_THETA, theta)
         return theta
+
+    def broadcast_word(self, value: int, root: int = 0) -> int:
+        """One int64 from ``root`` to every party (control decisions: buffer call, never pickle)."""
+        word = np.array([value], dtype=np.int64)
+        self.ctrl.Bcast(word, root=root)
+        self._record(root, AUDIT_CONTROL_WORD, word)
+        return int(word[0])
+
+    def broadcast_float(self, value: float, root: int = 0) -> float:
+        word = np.array([value], dtype=np.float64)
+        self.ctrl.Bcast(word, root=root)
+        self._record(root, AUDIT_CONTROL_WORD, word)
+        return float(word[0])
+
+    def sum_word(self, value: int) -> int:
+        """Σ over parties of one int64 each (every party learns the total)."""
+        mine = np.array([value], dtype=np.int64)
+        total = np.empty(1, dtype=np.int64)
+        self.ctrl.Allreduce(mine, total, op=MPI.SUM)
+        self._record(-1, AUDIT_CONTROL_WORD, total)
+        return int(total[0])
+
+    def _record(self, source: int, label: int, values: np.ndarray) -> None:
+        """Audit what arrived from ``source`` (-1: from everyone) by a collective on the control plane."""
+        if self.transcript is not None and source != self.rank:
+            self.transcript.append((source, label, np.ascontiguousarray(values).view(np.uint64).copy()))
 
     def regularizer_sum(self, root: int = 0) -> float | None:
         """λ Σ_l g(w_l) at ``root``, by secure aggregation of each party's own term."""
@@ -471,7 +507,10 @@ class PartyRuntime:
     def save_transcript(self, path) -> None:
         """Write what this party received (``audit`` mode) for the message-audit tests and users."""
         assert self.transcript is not None
-        records = self.transcript
+        records = list(self.transcript)
+        if isinstance(self.aggregator.transport, RecordingTransport):
+            records += [(source, AUDIT_CTRL_AGGREGATION, words)
+                        for source, words in self.aggregator.transport.received]
         np.savez(path, sources=np.array([r[0] for r in records], dtype=np.int64),
                  tags=np.array([r[1] for r in records], dtype=np.int64),
                  lengths=np.array([r[2].size for r in records], dtype=np.int64),

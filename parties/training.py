@@ -24,6 +24,7 @@ from parties.checkpoint import complete_epochs, load_checkpoint, mark_complete, 
 from parties.config import RunConfig
 from parties.outcomes import Outcome
 from parties.runtime import PartyRuntime, PartyState
+from protocols.errors import ProtocolViolation
 from vfl.algorithms.registry import get_algorithm
 
 LEADER = 0
@@ -104,11 +105,8 @@ class _Trainer:
     def run(self) -> TrainResult:
         config, party = self.config, self.party
         if config.resume:
-            epochs = np.zeros(1)
-            if self.rank == LEADER:
-                epochs[0] = complete_epochs(self.out)
-            self.rt.ctrl.Bcast(epochs, root=LEADER)
-            ckpt = load_checkpoint(self.folder, self.rank, party.block.n_cols, float(epochs[0]))
+            epochs = self.rt.broadcast_float(complete_epochs(self.out) if self.rank == LEADER else 0.0)
+            ckpt = load_checkpoint(self.folder, self.rank, party.block.n_cols, epochs)
             party.w[:] = ckpt.w
             self.epochs, self.train_time, self.updates = ckpt.epochs, ckpt.train_time, ckpt.updates
             if self.rank == LEADER:
@@ -144,7 +142,7 @@ class _Trainer:
                 self.rt.finish_segment()
             self.rt.drain()
             self.train_time += time.perf_counter() - started
-            done_all = self._sum_over_parties(done)
+            done_all = self.rt.sum_word(done)
             self.updates += done_all
             self.epochs += (done_all * config.batch_size / n if config.time_limit is not None
                             else segment)  # cut short?
@@ -166,15 +164,15 @@ class _Trainer:
 
     def _decide(self, record: dict | None) -> Outcome:
         """The leader decides whether to go on; every rank learns it from one broadcast word."""
-        word = np.zeros(1, dtype=np.int64)
+        decision = 0
         if self.rank == LEADER:
             assert record is not None
-            word[0] = self._outcome(record)
-        self.rt.ctrl.Bcast(word, root=LEADER)
+            decision = self._outcome(record)
+        word = self.rt.broadcast_word(decision, root=LEADER)
         try:
-            return Outcome(int(word[0]))
+            return Outcome(word)
         except ValueError:
-            raise RuntimeError(f"party {LEADER} sent an invalid stop decision: {int(word[0])}") from None
+            raise ProtocolViolation(LEADER, "stop decision", f"{word} is no outcome") from None
 
     def _outcome(self, record: dict) -> Outcome:
         c = self.config
@@ -207,19 +205,12 @@ class _Trainer:
 
     # ---------------------------------------------------------------------------------- collectives
 
-    def _sum_over_parties(self, value: int) -> int:
-        mine = np.array([value], dtype=np.int64)
-        total = np.empty(1, dtype=np.int64)
-        self.rt.ctrl.Allreduce(mine, total, op=MPI.SUM)
-        return int(total[0])
-
     def _evaluate(self) -> dict | None:
         """f(w), f(w) − f*, test accuracy / RMSE at the leader; not counted as training time."""
         z = self.rt.full_scores(root=LEADER)
         reg = self.rt.regularizer_sum(root=LEADER)
-        has_test = np.array([self.party.test_block is not None], dtype=np.int8)
-        self.rt.ctrl.Bcast(has_test, root=LEADER)
-        z_test = self.rt.full_scores(test=True, root=LEADER) if has_test[0] else None
+        has_test = self.rt.broadcast_word(int(self.party.test_block is not None), root=LEADER)
+        z_test = self.rt.full_scores(test=True, root=LEADER) if has_test else None
         if self.rank != LEADER:
             return None
         problem = self.party.problem

@@ -1,0 +1,42 @@
+"""The curious passive party: with plain VFB² it recovers the labels from its own transcript.
+
+This is the leak the README states; a protected mode must make these same attacks fail (chance level).
+The audit records every communicator, so the full-pass ϑ₀ on the control plane is in the transcript.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from experiments.label_attacks import Transcript, attack_all
+from parties.runtime import AUDIT_CONTROL_WORD, AUDIT_CTRL_AGGREGATION, AUDIT_FULL_THETA, TAG_THETA
+from tests.test_runtime import CANCER, train
+from vfl.datasets import load
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def plain_svrg(tmp_path_factory):
+    out = tmp_path_factory.mktemp("attack")
+    train(out, "-n", "3", "-m", "1", "--algorithm", "svrg", "--epochs", "2", "--audit", *CANCER)
+    return out
+
+
+def test_the_audit_records_every_communicator(plain_svrg):
+    t = Transcript.load(plain_svrg / "audit-2.npz")
+    seen = set(t.tags.tolist())
+    assert {TAG_THETA, AUDIT_FULL_THETA, AUDIT_CTRL_AGGREGATION, AUDIT_CONTROL_WORD} <= seen
+
+
+def test_a_passive_party_recovers_the_labels_of_plain_vfb2(plain_svrg):
+    y = load("breast-cancer", seed=0).y_train
+    for passive in (1, 2):
+        found = attack_all(plain_svrg / f"audit-{passive}.npz", y)
+        assert found["full_theta"]["coverage"] == 1.0 and found["full_theta"]["accuracy"] == 1.0
+        assert found["theta_sign"]["coverage"] > 0.8 and found["theta_sign"]["accuracy"] == 1.0
+        assert found["theta_sign"]["auc"] == 1.0
+        assert found["full_theta"]["accuracy"] > found["full_theta"]["majority"] + 0.3
+    # the leader itself holds the labels; its transcript has no ϑ from anyone
+    assert np.isnan(attack_all(plain_svrg / "audit-0.npz", y)["theta_sign"]["accuracy"])
