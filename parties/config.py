@@ -55,6 +55,10 @@ class RunConfig:
     out: str | None = None
     party_dir: str | None = None
     overwrite: bool = False
+    secure_channels: bool = False
+    channel_keys: str | None = None
+    channel_public_keys: list[str] | None = None
+    job_id: str | None = None
     resume: bool = False
     progress: bool = True
     f_star: float | None = None
@@ -67,6 +71,10 @@ class RunConfig:
             return Path(self.party_dir.format(rank=rank))
         assert self.out is not None, "the launcher sets out before any rank starts"
         return Path(self.out)
+
+    def channel_key_path(self, rank: int) -> Path:
+        """Party ``rank``'s private key for ``--secure-channels``, in its own folder."""
+        return self.party_folder(rank) / f"party-{rank}.channel.key"
 
     @property
     def worker_threads(self) -> int:
@@ -130,6 +138,8 @@ def validate(config: RunConfig) -> RunConfig:
         raise ConfigError("--target-suboptimality must be positive")
     if c.time_limit is not None and c.time_limit <= 0:
         raise ConfigError("--time-limit must be positive (seconds)")
+    if c.channel_keys is not None and not c.secure_channels:
+        raise ConfigError("--channel-keys needs --secure-channels")
     if c.party_dir is not None:
         try:
             distinct = {c.party_dir.format(rank=r) for r in range(c.parties)}
@@ -240,6 +250,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--party-dir", default=None, metavar="TEMPLATE",
                    help="each party's own folder for its block and checkpoints, e.g. /srv/org{rank}/model "
                         "(default: --out)")
+    p.add_argument("--secure-channels", action="store_true",
+                   help="seal every message between parties (X25519 + ChaCha20-Poly1305)")
+    p.add_argument("--channel-keys", default=None, metavar="FILE",
+                   help="JSON list of the parties' public keys (hex, rank order; from `vfl keygen`); "
+                        "default: fresh keys in each party's folder")
     p.add_argument("--overwrite", action="store_true", help="reuse an --out folder that holds another run")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --out (default: runs/latest)")

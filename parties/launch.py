@@ -61,6 +61,8 @@ def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None, echo: 
         complete_epochs(out)  # a missing or damaged checkpoint is a usage error, found before mpiexec
     if config.f_star is None and config.party_files is None:
         config.f_star = reference_f_star(config)
+    if config.secure_channels:
+        pin_channel_keys(config)
     try:
         out.mkdir(parents=True, exist_ok=True)
         config_path = out / "config.json"
@@ -99,6 +101,45 @@ def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None, echo: 
 
 
 RUNS, LATEST = "runs", "latest"
+def pin_channel_keys(config: RunConfig) -> None:
+    """Pin every party's public key and a fresh job id in the configuration the ranks receive.
+
+    With ``--channel-keys`` the public keys come from that file (each organisation made its key pair
+    with ``vfl keygen`` in its own folder); otherwise each party gets a fresh pair in its folder
+    (``--party-dir``, by default the run folder), as a simulation on one machine can.
+    """
+    import secrets
+
+    from protocols.channels import generate_key_pair
+
+    config.job_id = secrets.token_hex(16)
+    if config.channel_keys is not None:
+        try:
+            keys = json.loads(Path(config.channel_keys).read_text())
+            publics = [bytes.fromhex(k) for k in keys]
+        except (OSError, ValueError, TypeError) as err:
+            raise ConfigError(f"--channel-keys {config.channel_keys}: not a JSON list of hex keys ({err})") \
+                from None
+        if len(publics) != config.parties or any(len(k) != 32 for k in publics):
+            raise ConfigError(f"--channel-keys {config.channel_keys}: need {config.parties} keys of 32 bytes")
+        config.channel_public_keys = [k.hex() for k in publics]
+        return
+    publics = []
+    for rank in range(config.parties):
+        private, public = generate_key_pair()
+        write_private_key(config.channel_key_path(rank), private)
+        publics.append(public.hex())
+    config.channel_public_keys = publics
+
+
+def write_private_key(path: Path, private: bytes) -> None:
+    """A private key readable by its owner only."""
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(private)
 
 
 def run_folder(config: RunConfig) -> Path:

@@ -34,6 +34,7 @@ from mpi4py import MPI
 
 from parties.outcomes import EXIT_CODES
 from protocols.aggregation import AggregationNode, Completed, Requested
+from protocols.channels import OVERHEAD_WORDS, ChannelKeys, SecureChannels
 from protocols.delay import DelayedDelivery
 from protocols.dispatch import Inbox, pack
 from protocols.errors import ProtocolViolation
@@ -49,6 +50,7 @@ TAG_ACK = 0xAC4
 TAG_STOP = 0x5709
 TAG_DONE = 0xD0E
 TAG_HEARTBEAT = 0xBEA7
+TAG_FULL_THETA = 0xF7E7  # on the control communicator, only with sealed channels
 #: Audit labels of what arrives on the control communicator (collectives, not tagged messages there):
 #: secure-aggregation traffic of the full passes, the full ϑ vector, and control words.
 AUDIT_CTRL_AGGREGATION = 0x1C5EC
@@ -99,17 +101,27 @@ OUT_OF_RANGE = "the scores left the secure aggregation's range: the model diverg
 class _Sender:
     """Non-blocking buffer sends from any thread; keeps each buffer alive until its send completes."""
 
-    def __init__(self, comm: MPI.Comm) -> None:
+    def __init__(self, comm: MPI.Comm, channels: SecureChannels | None = None) -> None:
         self.comm = comm
+        self.channels = channels
+        self._rank = comm.Get_rank()
         self._pending: list[tuple[MPI.Request, np.ndarray]] = []
         self._lock = threading.Lock()
 
     def send(self, buf: np.ndarray, dest: int, tag: int) -> None:
-        req = self.comm.Isend(buf, dest, tag)
-        with self._lock:
-            self._pending.append((req, buf))
-            if len(self._pending) >= 64:
-                self._pending = [(r, b) for r, b in self._pending if not r.Test()]
+        if self.channels is None or dest == self._rank:
+            req = self.comm.Isend(buf, dest, tag)
+            with self._lock:
+                self._track(req, buf)
+            return
+        with self._lock:  # sealed in send order: the receiver expects the link's next counter
+            sealed = self.channels.seal(dest, tag, buf)
+            self._track(self.comm.Isend(sealed, dest, tag), sealed)
+
+    def _track(self, req: MPI.Request, buf: np.ndarray) -> None:
+        self._pending.append((req, buf))
+        if len(self._pending) >= 64:
+            self._pending = [(r, b) for r, b in self._pending if not r.Test()]
 
     def flush(self) -> None:
         with self._lock:
@@ -124,7 +136,7 @@ class PartyRuntime:
                  seed: int, mode: str = "async", dispatch: bool = True, batch_size: int = 1,
                  inflight: int = 1, straggler: int | None = None, slowdown: float = 0.0,
                  apply_delay: float = 0.0, peer_timeout: float = 30.0, link_delay: float = 0.0,
-                 link_jitter: float = 0.0,
+                 link_jitter: float = 0.0, keys: ChannelKeys | None = None,
                  allow_two_parties: bool = False, audit: bool = False) -> None:
         self.party = party
         self.rank = comm.Get_rank()
@@ -144,12 +156,16 @@ class PartyRuntime:
         self.slowdown = slowdown if straggler == self.rank else 0.0
         #: seconds the straggler's workers wait before applying a batch (a collaborator slow to update)
         self.apply_delay = apply_delay if straggler == self.rank else 0.0
-        self.sender = _Sender(self.data)
+        #: with keys, every message between parties is sealed (authenticated encryption), per plane
+        self.channels = None if keys is None else keys.channels(self.rank, b"data")
+        self._theta_channels = None if keys is None else keys.channels(self.rank, b"full-theta")
+        self.sender = _Sender(self.data, self.channels)
         pairs = build_all_tree_pairs(self.q, seed, allow_leaky_q2=allow_two_parties)
         self.node = AggregationNode(self.rank, self.q, pairs, allow_leaky_q2=allow_two_parties)
         self.node_lock = threading.Lock()
-        self.aggregator = SecureAggregator.over_mpi(self.ctrl, tree_pairs=pairs,
-                                                    allow_leaky_q2=allow_two_parties)
+        self.aggregator = SecureAggregator.over_mpi(
+            self.ctrl, tree_pairs=pairs, allow_leaky_q2=allow_two_parties,
+            channels=None if keys is None else keys.channels(self.rank, b"full-passes"))
         #: With ``audit``, everything this party receives, on every communicator: (source, tag, words).
         #: Data-plane messages keep their tag; the control plane's are labelled ``AUDIT_*``.
         self.transcript: list[tuple[int, int, np.ndarray]] | None = [] if audit else None
@@ -226,7 +242,7 @@ class PartyRuntime:
         # by check_envelope, the contents by Inbox (ϑ, i; DONE) and AggregationNode.receive (with this
         # party's n_rows for REQUEST indices). A bad message raises ProtocolViolation naming the sender,
         # and _guard ends the job with it.
-        raw = np.empty(MAX_MESSAGE_WORDS, dtype=np.uint64)
+        raw = np.empty(MAX_MESSAGE_WORDS + (0 if self.channels is None else OVERHEAD_WORDS), dtype=np.uint64)
         status = MPI.Status()
         while True:
             try:
@@ -238,6 +254,12 @@ class PartyRuntime:
                                         f"longer than {MAX_MESSAGE_WORDS} words, the largest message") \
                     from None
             source, tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+            if self.channels is not None and source != self.rank:
+                if nbytes % 8:
+                    raise ProtocolViolation(source, "sealed message", f"{nbytes} bytes is not whole words")
+                opened = self.channels.open(source, tag, raw[:nbytes // 8])
+                nbytes = opened.size * 8
+                raw[:opened.size] = opened
             check_envelope(source, tag, nbytes, rank=self.rank, active_ranks=self.active_ranks,
                            synchronous=self.synchronous)
             msg = raw[:nbytes // 8]
@@ -467,9 +489,23 @@ class PartyRuntime:
         if self.rank == root:
             assert self.party.problem is not None
             theta[:] = self.party.problem.theta(z, self.party.y)
-        self.ctrl.Bcast(theta, root=root)
+        if self._theta_channels is None:
+            self.ctrl.Bcast(theta, root=root)
+        else:  # sealed, so point to point: a broadcast cannot be encrypted per receiver
+            self._send_sealed_theta(theta, root)
         self._record(root, AUDIT_FULL_THETA, theta)
         return theta
+
+    def _send_sealed_theta(self, theta: np.ndarray, root: int) -> None:
+        channels = self._theta_channels
+        assert channels is not None
+        if self.rank == root:
+            sealed = {p: channels.seal(p, TAG_FULL_THETA, theta) for p in range(self.q) if p != root}
+            MPI.Request.Waitall([self.ctrl.Isend(buf, p, TAG_FULL_THETA) for p, buf in sealed.items()])
+            return
+        buf = np.empty(theta.size + OVERHEAD_WORDS, dtype=np.uint64)
+        self.ctrl.Recv(buf, root, TAG_FULL_THETA)
+        theta[:] = channels.open(root, TAG_FULL_THETA, buf).view(np.float64)
 
     def broadcast_word(self, value: int, root: int = 0) -> int:
         """One int64 from ``root`` to every party (control decisions: buffer call, never pickle)."""

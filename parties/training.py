@@ -24,6 +24,7 @@ from parties.checkpoint import complete_epochs, load_checkpoint, mark_complete, 
 from parties.config import RunConfig
 from parties.outcomes import Outcome
 from parties.runtime import PartyRuntime, PartyState
+from protocols.channels import ChannelKeys
 from protocols.errors import ProtocolViolation
 from vfl.algorithms.registry import get_algorithm
 
@@ -57,13 +58,29 @@ def train(comm: MPI.Comm, party: PartyState, config: RunConfig) -> TrainResult:
         inflight=config.inflight,
         straggler=config.straggler, slowdown=config.slowdown, apply_delay=config.apply_delay_ms / 1e3,
         peer_timeout=config.peer_timeout, link_delay=config.link_delay_ms / 1e3,
-        link_jitter=config.link_jitter_ms / 1e3, allow_two_parties=config.allow_two_parties,
+        link_jitter=config.link_jitter_ms / 1e3, keys=channel_keys(config, comm.Get_rank()),
+        allow_two_parties=config.allow_two_parties,
         audit=config.audit)
     result = _Trainer(runtime, config).run()
     runtime.close()
     if config.audit:
         runtime.save_transcript(Path(config.out) / f"audit-{runtime.rank}.npz")
     return result
+
+
+def channel_keys(config: RunConfig, rank: int) -> ChannelKeys | None:
+    """This party's keys for sealed channels (``--secure-channels``), from its own folder."""
+    if not config.secure_channels:
+        return None
+    assert config.channel_public_keys is not None and config.job_id is not None, "set by the launcher"
+    path = config.channel_key_path(rank)
+    try:
+        private = path.read_bytes()
+    except OSError as err:
+        raise FileNotFoundError(f"party {rank}: no private channel key at {path} ({err.strerror}); "
+                                "make one with `vfl keygen`") from None
+    return ChannelKeys(private, tuple(bytes.fromhex(k) for k in config.channel_public_keys),
+                       bytes.fromhex(config.job_id))
 
 
 class MisalignedError(ValueError):

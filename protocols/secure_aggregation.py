@@ -59,6 +59,7 @@ from protocols.aggregation import (
     Requested,
     Step,
 )
+from protocols.channels import OVERHEAD_WORDS, SealedTransport, SecureChannels
 from protocols.errors import ProtocolViolation
 from protocols.masking import (
     AggregationOverflowError,
@@ -67,7 +68,7 @@ from protocols.masking import (
     RealValued,
     as_real_vector,
 )
-from protocols.transport import MpiTransport, Transport
+from protocols.transport import AGGREGATION_TAG, MpiTransport, Transport
 from protocols.trees import TreePair, build_all_tree_pairs
 
 __all__ = [
@@ -107,11 +108,19 @@ class SecureAggregator:
         self._owned_comm: MPI.Comm | None = None
 
     @classmethod
-    def over_mpi(cls, comm: MPI.Comm, **options: Any) -> SecureAggregator:
-        """An aggregator on a duplicate of ``comm`` (collective); :meth:`close` frees the duplicate."""
+    def over_mpi(cls, comm: MPI.Comm, *, channels: SecureChannels | None = None,
+                 **options: Any) -> SecureAggregator:
+        """An aggregator on a duplicate of ``comm`` (collective); :meth:`close` frees the duplicate.
+
+        With ``channels`` every message travels sealed (authenticated encryption between parties).
+        """
         own = comm.Dup()
         max_batch = options.get("max_batch", DEFAULT_MAX_BATCH)
-        aggregator = cls(MpiTransport(own, max_message_words=HEADER_WORDS + max_batch), **options)
+        extra = 0 if channels is None else OVERHEAD_WORDS
+        transport: Transport = MpiTransport(own, max_message_words=HEADER_WORDS + max_batch + extra)
+        if channels is not None:
+            transport = SealedTransport(transport, channels, AGGREGATION_TAG)
+        aggregator = cls(transport, **options)
         aggregator._owned_comm = own
         return aggregator
 

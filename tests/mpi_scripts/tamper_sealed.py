@@ -1,0 +1,55 @@
+"""Run under ``mpiexec -n 3``: a VFB² runtime with sealed channels where party 1 tampers with, or
+replays, a sealed (ϑ, i) message to party 0 (``argv[1]``: ``tampered`` or ``replayed``). Party 0 must
+end the job naming party 1; without that every rank closes normally and prints ``NOT REJECTED``."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from parties.runtime import TAG_THETA, PartyRuntime, PartyState
+from protocols.channels import ChannelKeys, public_key
+from protocols.dispatch import pack
+from vfl.algorithms.vfb2 import Block, get_rule
+from vfl.problems import get_problem
+
+N_ROWS, WIDTH = 40, 3
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    privates = [hashlib.sha256(f"test key {r}".encode()).digest() for r in range(comm.Get_size())]
+    keys = ChannelKeys(privates[rank], tuple(public_key(p) for p in privates), b"test job")
+    rng = np.random.default_rng(rank)
+    block = Block.from_matrix(rng.normal(size=(N_ROWS, WIDTH)))
+    problem = get_problem("logistic", lam=0.1)
+    active = rank < 2
+    party = PartyState(rank=rank, block=block, w=np.zeros(WIDTH),
+                       rule=get_rule("sgd")(block, problem.regularizer, problem.lam, 0.05),
+                       problem=problem if active else None,
+                       y=rng.choice([-1.0, 1.0], N_ROWS) if active else None)
+    runtime = PartyRuntime(comm, party, active_ranks=[0, 1], threads=1, seed=0, keys=keys)
+    if rank == 0:
+        runtime.dominate(10)  # honest sealed traffic first
+    comm.Barrier()
+    if rank == 1:
+        with runtime.sender._lock:  # take the next counter of the link to party 0, as an honest send would
+            sealed = runtime.channels.seal(0, TAG_THETA, pack(0, np.array([3]), np.array([0.5])))
+            if scenario == "tampered":
+                sealed[1] ^= np.uint64(1)  # one bit of the ciphertext
+            runtime.data.Send(sealed, 0, TAG_THETA)
+            if scenario == "replayed":
+                runtime.data.Send(sealed, 0, TAG_THETA)
+    time.sleep(3)
+    runtime.close()
+    print(f"NOT REJECTED {rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
