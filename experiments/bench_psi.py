@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"q={q} n={n:>9,}: {row['seconds']:8.2f} s  {row['megabytes_sent']:8.2f} MB  "
                   f"intersection {row['intersection']:,}  load {row['load_before']:.2f}", flush=True)
             rows.append(row)
-    write_outputs(rows, args.out)
+            write_outputs(rows, args.out)  # after each row: a long run stopped early keeps what it measured
     print(f"results in {args.out}")
 
 

@@ -105,11 +105,17 @@ def write_aligned(table: PartyTable, rows: np.ndarray, out: Path) -> None:
     os.replace(tmp, out)
 
 
+def _natural(path: Path) -> list:
+    """party-2.csv before party-10.csv."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
+
+
 def party_files(ids: list[str], parties: int) -> list[Path]:
-    """``--ids``: one file per party in rank order, or one folder of ``*.csv`` files (sorted by name)."""
+    """``--ids``: one file per party in rank order, or one folder of ``*.csv`` files (by name, numbers
+compared as numbers)."""
     if len(ids) == 1 and Path(ids[0]).is_dir():
         folder = Path(ids[0])
-        files = sorted(folder.glob("*.csv"))
+        files = sorted(folder.glob("*.csv"), key=_natural)
         if len(files) != parties:
             raise AlignInputError(f"--ids {folder}: {len(files)} .csv files for -n {parties} parties")
         return files
