@@ -16,6 +16,7 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                       "FedBAT paper Table 1 (FMNIST) + rho/phi ablations, reduced; --quick for a smoke run"),
     "secure_aggregation": ("experiments.bench_secure_aggregation",
                            "secure aggregation vs a plain MPI Reduce (issue 3 benchmark)"),
+    "psi": ("experiments.bench_psi", "vfl align PSI: time and bytes at 10k-1M ids (issue 17)"),
     "compression": ("experiments.bench_compression", "compressor round-trip cost and payload sizes"),
     "workers": ("experiments.bench_workers", "k = 1 vs k = 2 worker threads on one shared block (issue 4)"),
     "hfl_quick": ("experiments.hfl_quick", "horizontal FL smoke run on Fashion-MNIST + round timing"),

@@ -92,6 +92,12 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return predict(args.run, split=args.split, output=args.output)
 
 
+def _cmd_align(args: argparse.Namespace) -> int:
+    from parties.align import launch
+
+    return launch(args.parties, args.ids, args.id_column, args.out)
+
+
 def _run_hfl(command: str, rest: list[str]) -> int:
     """Horizontal FL lives in ``parties.hfl``, which parses its own options (it imports torch, so only
     when asked for)."""
@@ -147,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test", help="train or test rows of the parties' data")
     p.add_argument("--output", default=None, help="CSV file (default: <run>/predictions-<split>.csv)")
     p.set_defaults(func=_cmd_predict)
+
+    p = sub.add_parser("align", help="private set intersection of the parties' id columns (starts mpiexec)")
+    p.add_argument("-n", "--parties", type=int, required=True, help="q, number of parties")
+    p.add_argument("--ids", nargs="+", required=True,
+                   help="one CSV file per party in rank order, or one folder of q .csv files")
+    p.add_argument("--id-column", default="id", help="the column holding the ids")
+    p.add_argument("--out", required=True, help="folder for party-<p>.csv, the aligned files")
+    p.set_defaults(func=_cmd_align)
 
     for name, about in (("hfl-train", "horizontal FL: a server rank and client ranks (starts mpiexec)"),
                         ("hfl-split", "write one data file per client process for `vfl hfl-train`")):

@@ -1,0 +1,363 @@
+"""``vfl align``: private set intersection of the parties' id columns over MPI (issue 17).
+
+Two halves. :func:`launch` runs in the user's process: it checks what it can see cheaply (files,
+headers), starts ``mpiexec -n q python -m mpi4py -m parties.align …`` and turns the job's outcome
+into one line and an exit code. :func:`run_rank` runs in each rank: it reads only its own file, runs
+the protocol of :mod:`protocols.psi` with buffer calls only (every message's size is known in
+advance from the announced set sizes and checked with ``Probe`` before it is received), and writes
+its aligned file. The message flow and what each party learns are in docs/alignment.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from protocols import psi
+
+#: Exit codes, as for ``vfl train`` (parties.outcomes.EXIT_CODES).
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+#: Tags of the protocol's messages.
+TAG_RING, TAG_TAGS, TAG_LEADER_POS, TAG_OWNER_POS = 171, 172, 173, 174
+#: The largest set one party may announce (positions travel as int64, rows are counted in int32).
+MAX_IDS = 2**31 - 1
+
+
+class AlignInputError(ValueError):
+    """A problem with one party's input file that its owner must fix (exit 2)."""
+
+
+# ------------------------------------------------------------------------------------------- input
+
+
+@dataclass
+class PartyTable:
+    path: Path
+    header: list[str]
+    rows: list[list[str]]
+    ids: list[str]
+
+
+def read_header(path: Path, id_column: str) -> list[str]:
+    """The header of ``path``, checked for ``id_column`` (the launcher's cheap check)."""
+    if not path.is_file():
+        raise AlignInputError(f"{path}: no such file")
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f), None)
+    except (OSError, UnicodeDecodeError) as err:
+        raise AlignInputError(f"{path}: cannot read it ({err})") from None
+    if not header:
+        raise AlignInputError(f"{path}: empty file (a header line with a {id_column!r} column is expected)")
+    if id_column not in header:
+        raise AlignInputError(f"{path}: no column {id_column!r} (columns: {', '.join(header)})")
+    return header
+
+
+def read_table(path: Path, id_column: str) -> PartyTable:
+    """One party's CSV file: header, rows, ids (stripped), with duplicates and empty input refused."""
+    header = read_header(path, id_column)
+    col = header.index(id_column)
+    rows: list[list[str]] = []
+    ids: list[str] = []
+    first_line: dict[str, int] = {}
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        next(reader)
+        for row in reader:
+            line = reader.line_num
+            if not row:
+                continue
+            if len(row) != len(header):
+                raise AlignInputError(f"{path} line {line}: {len(row)} fields, the header has {len(header)}")
+            ident = row[col].strip()
+            if not ident:
+                raise AlignInputError(f"{path} line {line}: empty id")
+            if ident in first_line:
+                raise AlignInputError(f"{path} line {line}: duplicate id {ident!r} "
+                                      f"(first on line {first_line[ident]})")
+            first_line[ident] = line
+            rows.append(row)
+            ids.append(ident)
+    if not ids:
+        raise AlignInputError(f"{path}: no rows")
+    return PartyTable(path, header, rows, ids)
+
+
+def write_aligned(table: PartyTable, rows: np.ndarray, out: Path) -> None:
+    """The common rows of ``table``, in the common order, atomically (a partial file never shows)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    with tmp.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(table.header)
+        writer.writerows(table.rows[i] for i in rows.tolist())
+    os.replace(tmp, out)
+
+
+def _natural(path: Path) -> list:
+    """party-2.csv before party-10.csv."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
+
+
+def party_files(ids: list[str], parties: int) -> list[Path]:
+    """``--ids``: one file per party in rank order, or one folder of ``*.csv`` files (by name, numbers
+compared as numbers)."""
+    if len(ids) == 1 and Path(ids[0]).is_dir():
+        folder = Path(ids[0])
+        files = sorted(folder.glob("*.csv"), key=_natural)
+        if len(files) != parties:
+            raise AlignInputError(f"--ids {folder}: {len(files)} .csv files for -n {parties} parties")
+        return files
+    if len(ids) != parties:
+        raise AlignInputError(f"--ids: {len(ids)} files for -n {parties} parties")
+    return [Path(p) for p in ids]
+
+
+# --------------------------------------------------------------------------------- MPI communication
+
+
+class Link:
+    """Buffer-only messages between ranks, with every received size checked against what the
+    receiver expects before the data is read, and bytes sent counted for the benchmark."""
+
+    def __init__(self, comm) -> None:
+        self.comm = comm
+        self.bytes_sent = 0
+        self._pending: list = []
+
+    def send(self, arr: np.ndarray, dest: int, tag: int) -> None:
+        arr = np.ascontiguousarray(arr)
+        self._pending.append((self.comm.Isend(arr, dest, tag), arr))
+        self.bytes_sent += arr.nbytes
+
+    def recv(self, source: int, tag: int, dtype, shape: tuple[int, ...], what: str) -> np.ndarray:
+        from mpi4py import MPI
+
+        buf = np.empty(shape, dtype=dtype)
+        status = MPI.Status()
+        self.comm.Probe(source, tag, status)
+        got = status.Get_count(MPI.BYTE)
+        if got != buf.nbytes:
+            raise psi.PsiError(source, what, f"{got} bytes where {buf.nbytes} were announced")
+        self.comm.Recv(buf, source, tag)
+        return buf
+
+    def wait(self) -> None:
+        from mpi4py import MPI
+
+        MPI.Request.Waitall([req for req, _ in self._pending])
+        self._pending.clear()
+
+
+@dataclass
+class RankResult:
+    rows: np.ndarray
+    sizes: list[int]
+    seconds: float
+    bytes_sent: int
+
+
+def align_ids(comm, ids: list[str], context: bytes = b"") -> RankResult:
+    """This rank's part of the protocol (docs/alignment.md, "Message flow"); collective over ``comm``.
+
+    Returns the own rows in the intersection, in the common order. Raises :class:`psi.PsiError` naming
+    the sender of any invalid message.
+    """
+    t0 = time.perf_counter()
+    rank, q = comm.Get_rank(), comm.Get_size()
+    lead = psi.leader()
+    link = Link(comm)
+    # Set sizes are announced up front: every later message has a size the receiver knows.
+    sizes_arr = np.zeros(q, dtype=np.int64)
+    comm.Allgather(np.array([len(ids)], dtype=np.int64), sizes_arr)
+    for r, n in enumerate(sizes_arr.tolist()):
+        if not 0 < n <= MAX_IDS:
+            raise psi.PsiError(r, "set size", f"{n}")
+    sizes = [int(n) for n in sizes_arr]
+    # A job-wide domain separator: a fresh leader nonce plus the caller's context.
+    nonce = np.frombuffer(os.urandom(16), dtype=np.uint8).copy() if rank == lead else np.empty(16, np.uint8)
+    comm.Bcast(nonce, root=lead)
+    domain = b"vfl-align/v1\x00" + nonce.tobytes() + context
+
+    party = psi.Party(rank, q)
+    current = party.start(ids, domain)
+    for t in range(1, q):  # after round t this rank holds the list of owner (rank - t) mod q
+        owner = (rank - t) % q
+        link.send(current, party.next, TAG_RING)
+        got = link.recv(party.prev, TAG_RING, np.uint8, (sizes[owner], psi.POINT),
+                        f"blinded list (round {t}, {sizes[owner]} ids of party {owner})")
+        link.wait()
+        current = party.hop(got)
+    mine_last = party.next  # this rank applied the last key to the list of its successor
+    tagged = party.finish_ring(current)
+    if rank != lead:
+        link.send(tagged.view(np.uint8), lead, TAG_TAGS)
+        positions = None
+    else:
+        lists: dict[int, np.ndarray] = {mine_last: tagged}
+        for r in range(q):
+            if r != lead:
+                owner = (r + 1) % q
+                raw = link.recv(r, TAG_TAGS, np.uint8, (sizes[owner] * psi.TAG,),
+                                f"fully blinded list ({sizes[owner]} tags of party {owner})")
+                lists[owner] = raw.view(f"V{psi.TAG}")
+        positions = psi.intersect([lists[o] for o in range(q)], [psi.last_hop(o, q) for o in range(q)])
+    count = np.array([len(positions[0]) if positions is not None else 0], dtype=np.int64)
+    comm.Bcast(count, root=lead)
+    k = int(count[0])
+    if not 0 <= k <= min(sizes):
+        raise psi.PsiError(lead, "intersection size", f"{k} exceeds the smallest set ({min(sizes)})")
+    # The leader tells each last hop where the common values sit in the list it shuffled...
+    if rank == lead:
+        assert positions is not None
+        for owner in range(q):
+            hop = psi.last_hop(owner, q)
+            if hop != lead:
+                link.send(positions[owner], hop, TAG_LEADER_POS)
+        at_hop = positions[mine_last]
+    else:
+        at_hop = link.recv(lead, TAG_LEADER_POS, np.int64, (k,), "list of positions")
+        psi.check_positions(at_hop, sizes[mine_last], k, lead, "list of positions")
+    # ...each last hop undoes its shuffle for the owner, who undoes its own.
+    link.send(party.translate(at_hop), mine_last, TAG_OWNER_POS)
+    back = link.recv(party.prev, TAG_OWNER_POS, np.int64, (k,), "list of positions")
+    psi.check_positions(back, sizes[rank], k, party.prev, "list of positions")
+    link.wait()
+    rows = party.rows(back)
+    return RankResult(rows, sizes, time.perf_counter() - t0, link.bytes_sent)
+
+
+# ------------------------------------------------------------------------------------------ one rank
+
+
+def _stop(comm, rank: int, line: str, code: int) -> None:
+    print(f"[party {rank}] {line}", file=sys.stderr, flush=True)
+    comm.Abort(code)
+
+
+def run_rank(argv: list[str] | None = None) -> None:
+    """The entry point of one rank under ``mpiexec`` (see :func:`launch`)."""
+    from mpi4py import MPI
+
+    args = _rank_parser().parse_args(argv)
+    comm = MPI.COMM_WORLD
+    rank, q = comm.Get_rank(), comm.Get_size()
+    try:
+        if args.bench:
+            ids = bench_ids(rank, args.bench, args.overlap, args.seed)
+            table = None
+        else:
+            if len(args.ids) != q:
+                raise AlignInputError(f"{len(args.ids)} files for {q} ranks")
+            table = read_table(Path(args.ids[rank]), args.id_column)
+            ids = table.ids
+    except (AlignInputError, OSError) as err:
+        _stop(comm, rank, f"stop: {err}", EXIT_USAGE)
+        return
+    comm.Barrier()  # a rank that failed to read its input stops the job before any message is sent
+    try:
+        result = align_ids(comm, ids, context=args.id_column.encode())
+    except psi.PsiError as err:
+        _stop(comm, rank, f"error: {err}", EXIT_FAILED)
+        return
+    if table is not None:
+        write_aligned(table, result.rows, Path(args.out) / f"party-{rank}.csv")
+    report = np.zeros((q, 3), dtype=np.float64) if rank == 0 else None
+    comm.Gather(np.array([result.seconds, result.bytes_sent, len(result.rows)], dtype=np.float64),
+                report, root=0)
+    if rank == 0:
+        assert report is not None
+        summary = {"parties": q, "sizes": result.sizes, "intersection": len(result.rows),
+                   "seconds": float(report[:, 0].max()), "bytes_sent": [int(b) for b in report[:, 1]]}
+        print("ALIGN-SUMMARY " + json.dumps(summary), flush=True)
+        if args.report:
+            Path(args.report).write_text(json.dumps(summary) + "\n")
+
+
+def _rank_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="one party of `vfl align` (run under mpiexec)")
+    p.add_argument("--ids", nargs="*", default=[], help="the parties' files, in rank order")
+    p.add_argument("--id-column", default="id")
+    p.add_argument("--out", default=".")
+    p.add_argument("--report", default=None, help="the leader writes the summary here (JSON)")
+    p.add_argument("--bench", type=int, default=0, help="synthetic ids per party instead of files")
+    p.add_argument("--overlap", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def bench_ids(rank: int, n: int, overlap: float, seed: int) -> list[str]:
+    """Synthetic ids for the benchmark: ⌊overlap·n⌋ shared by every party, the rest its own."""
+    common = int(overlap * n)
+    shared = [f"cust-{seed}-{i:09d}" for i in range(common)]
+    own = [f"cust-{seed}-p{rank}-{i:09d}" for i in range(n - common)]
+    return shared + own
+
+
+# ------------------------------------------------------------------------------------------ launcher
+
+
+def rank_command(parties: int, args: list[str]) -> list[str]:
+    from parties.launch import mpiexec_path
+
+    return [mpiexec_path(), "-n", str(parties), sys.executable, "-m", "mpi4py", "-m", "parties.align",
+            *args]
+
+
+def run_job(parties: int, args: list[str], *,
+            timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """``mpiexec`` the ranks with this checkout importable; output captured for :func:`launch`."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return subprocess.run(rank_command(parties, args), env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def launch(parties: int, ids: list[str], id_column: str, out: str) -> int:
+    """``vfl align``: check the inputs, run the job, print the intersection size; an exit code."""
+    if parties < 2:
+        raise AlignInputError(f"-n must be at least 2 (got {parties})")
+    files = party_files(ids, parties)
+    for path in files:  # the cheap checks; each rank reads its whole file itself
+        read_header(path, id_column)
+    out_dir = Path(out)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise AlignInputError(f"--out {out_dir}: cannot create it ({err.strerror})") from None
+    proc = run_job(parties, ["--ids", *map(str, files), "--id-column", id_column, "--out", str(out_dir)])
+    output = proc.stdout + proc.stderr
+    stopped = re.search(r"\[party \d+\] stop: (.*)", output)
+    if stopped:
+        print(f"vfl align: error: {stopped.group(1)}", file=sys.stderr)
+        return EXIT_USAGE
+    failed = re.search(r"\[party (\d+)\] error: (.*)", output)
+    if failed:
+        print(f"vfl align: party {failed.group(1)} stopped the job: {failed.group(2)}", file=sys.stderr)
+        return EXIT_FAILED
+    summary = re.search(r"ALIGN-SUMMARY (.*)", proc.stdout)
+    if proc.returncode != 0 or not summary:
+        last = output.strip().splitlines()[-1:] or ["no output"]
+        print(f"vfl align: the job failed (exit code {proc.returncode}): {last[0]}", file=sys.stderr)
+        return EXIT_FAILED
+    info = json.loads(summary.group(1))
+    sizes = ", ".join(f"{n:,}" for n in info["sizes"])
+    print(f"intersection: {info['intersection']:,} ids common to all {parties} parties "
+          f"(set sizes {sizes}); aligned files in {out_dir}/party-<p>.csv")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    run_rank()
