@@ -64,3 +64,31 @@ def test_training_over_sealed_channels_matches_training_in_clear(tmp_path):
     clear, sealed = metrics(tmp_path / "clear")[-1], metrics(tmp_path / "sealed")[-1]
     assert sealed["loss"] == pytest.approx(clear["loss"], rel=1e-3)
     assert (tmp_path / "sealed" / "party-2.channel.key").stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.mpi
+def test_organisations_bring_their_own_keys(tmp_path):
+    """The deployment path: each party makes its key pair in its own folder and shares only the public
+    half; the job pins the list."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    publics = []
+    for rank in range(3):
+        cmd = [sys.executable, "-m", "vfl.cli", "keygen", "--party-dir", str(tmp_path / f"org{rank}"),
+               "--rank", str(rank)]
+        out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+        publics.append(out.stdout.split()[-1])
+    (tmp_path / "keys.json").write_text(json.dumps(publics))
+    train(tmp_path / "run", "-n", "3", "-m", "1", "--epochs", "1", "--secure-channels", "--channel-keys",
+          str(tmp_path / "keys.json"), "--party-dir", str(tmp_path / "org{rank}"), *CANCER)
+    assert metrics(tmp_path / "run")[-1]["epoch"] == 1
+    publics[1], publics[2] = publics[2], publics[1]  # a wrong pin: party 1 cannot prove who it is
+    (tmp_path / "keys.json").write_text(json.dumps(publics))
+    proc = train(tmp_path / "run", "-n", "3", "-m", "1", "--epochs", "1", "--secure-channels", "--overwrite",
+                 "--channel-keys", str(tmp_path / "keys.json"), "--party-dir", str(tmp_path / "org{rank}"),
+                 *CANCER, check=False)
+    assert proc.returncode != 0 and "does not match its pinned public key" in proc.stdout + proc.stderr

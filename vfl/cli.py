@@ -86,6 +86,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return launch(from_args(args))
 
 
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from parties.launch import write_private_key
+    from protocols.channels import generate_key_pair
+
+    path = Path(args.party_dir) / f"party-{args.rank}.channel.key"
+    if path.exists() and not args.overwrite:
+        raise ValueError(f"{path} exists: pass --overwrite to replace this party's key")
+    private, public = generate_key_pair()
+    write_private_key(path, private)
+    print(f"private key: {path} (keep it there; readable by you only)\npublic key (share it; it goes "
+          f"at index {args.rank} of the --channel-keys list): {public.hex()}")
+    return 0
+
+
 def _cmd_predict(args: argparse.Namespace) -> int:
     from parties.predict import predict
 
@@ -147,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     training_options(p)
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("keygen", help="make this party's key pair for --secure-channels")
+    p.add_argument("--party-dir", required=True, help="this party's own folder (its --party-dir)")
+    p.add_argument("--rank", type=int, required=True, help="this party's rank")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_cmd_keygen)
 
     p = sub.add_parser("predict", help="score rows with a trained model, through secure aggregation")
     p.add_argument("run", help="the --out folder of a `vfl train` run")
