@@ -4,7 +4,7 @@ Nobody holds the whole model: party l keeps its block w_l in its own folder (``-
 default the run folder) and loads only that; the leader tells the others which epoch to use. Prediction
 is therefore the same Algorithm-1 aggregation as training, batched over the rows to score: every
 party contributes its masked w_l·x_i^(l) and only the leader (rank 0) learns z_i = w·x_i. The leader
-writes ``predictions.csv`` (sample id, score, and the predicted label for classification).
+writes ``predictions-<split>.csv`` (row, score, and the predicted label for classification).
 
 The run's ``config.json`` says which data each party holds (a named dataset's split, or the per-party
 files of ``vfl split``), so predicting needs only the run folder.

@@ -1,21 +1,22 @@
-"""The bilevel asynchronous runtime of one party (one MPI rank): VFB² and its synchronous baseline.
+"""The runtime of one party (one MPI rank): asynchronous VFB² and its synchronous baselines.
 
-Threads of a rank (spec 3.6, 3.8; ../shared/design.md "the hot path"):
+Threads of a rank:
 
-* **communication thread** - the only receiver on the data communicator. It blocks in ``Probe`` (no
-  Python polling: on an oversubscribed machine a Python spin loop costs an OS time slice per message)
-  and serves three message kinds: secure-aggregation traffic (computes this party's masked products
-  for other dominators' requests and forwards tree sums), (ϑ, i) broadcasts (handed to a worker), and
-  the synchronous baseline's acknowledgements.
+* **communication thread** - the only receiver on the data communicator. It waits in one blocking
+  ``Recv(ANY_SOURCE, ANY_TAG)`` (no Python polling, no ``Probe``: with more ranks than cores either
+  costs an OS time slice per message), validates what arrived (:func:`check_envelope`, then the
+  receivers of each kind) and serves it: secure-aggregation traffic (this party's masked products for
+  other dominators' requests, tree sums), (ϑ, i) broadcasts (handed to a worker), the synchronous
+  baselines' acknowledgements, heartbeats. With ``link_delay`` it hands messages to a
+  :class:`~protocols.delay.DelayedDelivery` thread instead, which serves them after the delay.
 * **k worker threads** - apply collaborative updates (Alg. 3/5/7) to the shared block ``w`` lock-free
   with numba ``nogil`` kernels, so they really run in parallel. The ϑ stream of dominator r goes to
   worker ``r mod k`` (k = m: one worker per dominator stream, the paper's setting).
-* **dominator thread** (active parties) - the dominated loop (Alg. 2/4/6): sample i, obtain ŵ·x_i by
-  Algorithm 1 rooted here, compute ϑ, broadcast (ϑ, i), update its own block. It blocks only on its own
-  aggregation result and never waits for collaborators (async mode).
-* **main thread** - segments of training separated by global barriers: SVRG snapshots, the SAGA
-  initial pass and evaluations happen there, through the collective secure-aggregation library call on
-  a separate communicator. Evaluation time is excluded from training time.
+* **heartbeat thread** - tells the others this party is alive, and ends the job when one is silent.
+* **main thread** - segments of training separated by global barriers (SVRG snapshots, the SAGA
+  initial pass, evaluations, through the collective secure aggregation on a separate communicator)
+  and, on active parties, the dominated loop between them (:meth:`PartyRuntime.dominate`: sample
+  rows, obtain ŵ·x by Algorithm 1 rooted here, compute ϑ, broadcast (ϑ, i), update its own block).
 
 Sends may come from any thread (``MPI_THREAD_MULTIPLE``); every send is non-blocking.
 """
