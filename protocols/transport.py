@@ -96,7 +96,7 @@ class MpiTransport:
     def __init__(self, comm: MPI.Comm, tag: int = AGGREGATION_TAG, *,
                  capacity_words: int = DEFAULT_CAPACITY_WORDS,
                  max_message_words: int = DEFAULT_MAX_MESSAGE_WORDS) -> None:
-        tag_limit = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        tag_limit = comm.Get_attr(MPI.TAG_UB)
         if not 0 <= tag < tag_limit:
             raise ValueError(f"tag must be in 0..{tag_limit - 1} (tag + 1 is used too), got {tag}")
         if capacity_words < 1:
