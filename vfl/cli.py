@@ -92,6 +92,14 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return predict(args.run, split=args.split, output=args.output)
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from vfl.plotting import plot_runs
+
+    out = plot_runs(args.runs, args.out, x=args.x)
+    print(f"wrote {out} and metrics.csv in {len(args.runs)} run folder(s)")
+    return 0
+
+
 def _run_hfl(command: str, rest: list[str]) -> int:
     """Horizontal FL lives in ``parties.hfl``, which parses its own options (it imports torch, so only
     when asked for)."""
@@ -141,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test", help="train or test rows of the parties' data")
     p.add_argument("--output", default=None, help="CSV file (default: <run>/predictions-<split>.csv)")
     p.set_defaults(func=_cmd_predict)
+
+    p = sub.add_parser("plot", help="plot loss, sub-optimality and test metric of runs; write metrics.csv")
+    p.add_argument("runs", nargs="+", metavar="RUN",
+                   help="--out folders of `vfl train` runs (e.g. runs/latest)")
+    p.add_argument("--out", default=None, help="PNG file (default: <first run>/metrics.png)")
+    p.add_argument("--x", choices=("time", "epoch"), default="time",
+                   help="x axis: training time in seconds, or epochs")
+    p.set_defaults(func=_cmd_plot)
 
     for name, about in (("hfl-train", "horizontal FL: a server rank and client ranks (starts mpiexec)"),
                         ("hfl-split", "write one data file per client process for `vfl hfl-train`")):
