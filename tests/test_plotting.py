@@ -10,11 +10,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.figure  # noqa: E402
-import pytest  # noqa: E402
+import matplotlib.figure
+import pytest
 
-from vfl.cli import main  # noqa: E402
-from vfl.plotting import figure, read_metrics  # noqa: E402
+from vfl.cli import main
+from vfl.plotting import figure, read_metrics
 
 
 def make_run(folder: Path, records: list[dict], config: dict | None = None) -> Path:
@@ -81,7 +81,7 @@ def test_vfl_plot_errors_are_one_line(tmp_path, capsys):
     good = make_run(tmp_path / "good", records(2, 1.0))
     _one_line_error(capsys, ["plot", str(good), str(tmp_path / "nothing")], "no metrics.jsonl")
     assert not (good / "metrics.png").exists()   # nothing drawn when one run is unreadable
-    with pytest.raises(ValueError, match="metrics.jsonl:3"):
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:3"):
         read_metrics(bad)
 
 
@@ -160,3 +160,11 @@ def test_vfb2_async_colour_per_optimiser_and_mode(tmp_path, saved_figures):
     colours = _colours_by_label(saved_figures[0])
     async_sync = [label for label in colours if label != "target 1e-3"]
     assert len({next(iter(colours[label])) for label in async_sync}) == len(async_sync) == 4
+
+
+def test_vfb2_lr_sweep_one_colour_per_step_size(tmp_path, saved_figures):
+    sweep = pytest.importorskip("experiments.vfb2_lr_sweep")
+    committed = Path(__file__).resolve().parents[1] / "experiments" / "results" / "vfb2_lr_sweep"
+    (tmp_path / "sweep.csv").write_text((committed / "sweep.csv").read_text())
+    assert len(sweep.replot(tmp_path)) == 3
+    _check_conventions(saved_figures)
