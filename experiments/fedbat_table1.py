@@ -241,47 +241,147 @@ def write_tables(rows: list[dict[str, Any]], scale: Scale, out: Path) -> None:
     (out / "tables.md").write_text("\n".join(lines) + "\n")
 
 
-def plot(rows: list[dict[str, Any]], scale: Scale, out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+#: method -> colour, the same on every panel and figure (experiments/_plotting.py: the conventions)
+METHOD_COLOURS = {"fedavg": "tab:blue", "signsgd": "tab:orange", "ef-signsgd": "tab:green",
+                  "noisy-signsgd": "tab:red", "stoc-signsgd": "tab:purple", "fedbat": "tab:brown",
+                  "fedpaq": "tab:pink"}
 
-    def curve(tag: str) -> tuple[list[int], list[float]]:
-        recs = [json.loads(line) for line in (out / "runs" / f"{tag}.jsonl").read_text().splitlines()]
-        recs = [r for r in recs if "test_accuracy" in r]
-        return [r["round"] for r in recs], [100 * r["test_accuracy"] for r in recs]
 
-    for n in sorted({r["n_clients"] for r in rows}):
-        splits = [s for s in SPLITS if any(r["n_clients"] == n and r["split"] == s for r in rows)]
-        fig, axes = plt.subplots(1, len(splits), figsize=(4.5 * len(splits), 3.6), squeeze=False)
-        for ax, split in zip(axes[0], splits, strict=True):
-            for r in rows:
-                if (r["n_clients"], r["split"], r["rho"], r["phi"]) == (n, split, 6.0, 0.5):
-                    ax.plot(*curve(Run(r["method"], n, split, seed=r["seed"]).tag), marker="o", ms=3,
-                            label=r["method"])
-            ax.set(title=f"N={n}, {SPLIT_LABELS[split]}", xlabel="round", ylabel="test accuracy (%)")
-            ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"FMNIST, reduced: {scale.train_rows:,} train images, CNN widths {scale.widths}",
+def plot(rows: list[dict[str, Any]], scale: Scale, out: Path) -> list[str]:
+    """Write the figures; return their file names (for the README).
+
+    Accuracy curves (``curves_n<N>.png``) need the per-round logs in ``out/runs/``, which are not
+    committed (``runs/`` is git-ignored); without them the final and best accuracy of every run,
+    from ``results.csv``, are drawn instead (``final_accuracy.png``), so ``--replot`` works on the
+    committed results alone.
+    """
+    from experiments._plotting import pyplot, save
+
+    pyplot()
+    written = []
+    for name, fig in figures(rows, scale, out):
+        save(fig, out / name)
+        written.append(name)
+    return written
+
+
+def figures(rows: list[dict[str, Any]], scale: Scale, out: Path) -> list[tuple[str, Any]]:
+    """(file name, matplotlib Figure) of every figure :func:`plot` writes."""
+    from experiments._plotting import figure_legend, pyplot
+
+    plt = pyplot()
+    main_rows = [r for r in rows if (r["rho"], r["phi"]) == (6.0, 0.5)]
+    have_logs = bool(main_rows) and all((out / "runs" / f"{_tag(r)}.jsonl").exists() for r in main_rows)
+    where = (f"FMNIST, reduced: {scale.train_rows:,} train images, CNN widths {scale.widths}, "
+             f"{scale.rounds} rounds, 1 seed"
+             + (", FedBAT's α clamped (released code)" if scale.alpha_clamp else ""))
+    result: list[tuple[str, Any]] = []
+    ns = sorted({r["n_clients"] for r in main_rows}, reverse=True)
+    if have_logs:
+        for n in ns:
+            splits = [s for s in SPLITS if any((r["n_clients"], r["split"]) == (n, s) for r in main_rows)]
+            fig, axes = plt.subplots(1, len(splits), figsize=(4.5 * len(splits), 4.0), squeeze=False,
+                                     layout="constrained")
+            for ax, split in zip(axes[0], splits, strict=True):
+                for method in METHOD_COLOURS:   # a fixed order and colour, whatever the row order
+                    for r in main_rows:
+                        if (r["method"], r["n_clients"], r["split"]) == (method, n, split):
+                            ax.plot(*_curve(out / "runs" / f"{_tag(r)}.jsonl"), marker="o", ms=3,
+                                    color=METHOD_COLOURS[method], label=method)
+                ax.set(title=f"N={n}, {SPLIT_LABELS[split]}", xlabel="round",
+                       ylabel="test accuracy (%)")
+                ax.grid(alpha=0.3)
+            fig.suptitle(where, fontsize=9)
+            figure_legend(fig)
+            result.append((f"curves_n{n}.png", fig))
+    elif main_rows:
+        fig, axes = plt.subplots(1, len(ns), figsize=(1 + 4.5 * len(ns), 4.2),
+                                 squeeze=False, layout="constrained")
+        for ax, n in zip(axes[0], ns, strict=True):
+            splits = [s for s in SPLITS if any((r["n_clients"], r["split"]) == (n, s) for r in main_rows)]
+            methods = [m for m in METHOD_COLOURS if any(r["method"] == m for r in main_rows)]
+            width = 0.8 / len(methods)
+            for i, method in enumerate(methods):
+                for j, split in enumerate(splits):
+                    row = next((r for r in main_rows
+                                if (r["method"], r["n_clients"], r["split"]) == (method, n, split)), None)
+                    if row is None:
+                        continue
+                    x = j - 0.4 + width * (i + 0.5)
+                    if np.isnan(row["final_accuracy"]):
+                        ax.plot([x], [0], "x", color=METHOD_COLOURS[method], label=method)
+                        continue
+                    colour = METHOD_COLOURS[method]
+                    ax.plot([x, x], [row["final_accuracy"], row["best_accuracy"]], color=colour, lw=1,
+                            label=method)
+                    ax.plot([x], [row["final_accuracy"]], "o", color=colour, ms=6)
+                    ax.plot([x], [row["best_accuracy"]], "_", color=colour, ms=9, mew=2)
+            ax.set_xticks(range(len(splits)), [SPLIT_LABELS[s] for s in splits])
+            ax.set(title=f"N={n}", xlabel="client data split", ylabel="test accuracy (%)",
+                   xlim=(-0.5, len(splits) - 0.5), ylim=(0, 100))
+            ax.grid(alpha=0.3, axis="y")
+        fig.suptitle(f"{where}: accuracy at the last round (dot) and at the best evaluated round (bar)",
                      fontsize=9)
-        fig.tight_layout()
-        fig.savefig(out / f"curves_n{n}.png", dpi=110)
-        plt.close(fig)
+        figure_legend(fig, ncol=len(METHOD_COLOURS))
+        result.append(("final_accuracy.png", fig))
     ablation = [r for r in rows if r["method"] == "fedbat" and r["n_clients"] == 100
                 and r["split"] == "noniid2"]
     if len(ablation) > 1:
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), layout="constrained")
         for ax, key, paper in ((axes[0], "rho", PAPER_RHO), (axes[1], "phi", PAPER_PHI)):
             other, default = ("phi", 0.5) if key == "rho" else ("rho", 6.0)
             pts = sorted((r[key], r["final_accuracy"]) for r in ablation if r[other] == default)
-            ax.plot(*zip(*pts, strict=True), marker="o", label="ours (reduced, final round)")
-            ax.plot(list(paper), list(paper.values()), marker="s", label="paper")
-            ax.set(xlabel=key, ylabel="test accuracy (%)", title=f"FedBAT {key} ablation, N=100 Non-IID-2")
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", color="tab:blue",
+                        label="ours (reduced, final round)")
+                for value, acc in pts:
+                    if np.isnan(acc):
+                        ax.plot([value], [0.04], "x", color="tab:blue", ms=8, mew=2,
+                                transform=ax.get_xaxis_transform())
+                        ax.text(value, 0.08, "diverged", color="tab:blue", ha="center", fontsize=8,
+                                transform=ax.get_xaxis_transform())
+            ax.plot(list(paper), list(paper.values()), marker="s", color="tab:orange",
+                    label="paper (full scale)")
+            symbol = "ρ" if key == "rho" else "φ"
+            ax.set(xlabel=f"FedBAT {symbol} ({key})", ylabel="test accuracy (%)",
+                   title=f"FedBAT {symbol} ablation, N=100 Non-IID-2")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "ablations.png", dpi=110)
-        plt.close(fig)
+        fig.suptitle(where, fontsize=9)
+        figure_legend(fig)
+        result.append(("ablations.png", fig))
+    return result
+
+
+def _curve(path: Path) -> tuple[list[int], list[float]]:
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if "test_accuracy" in r]
+    return [r["round"] for r in recs], [100 * r["test_accuracy"] for r in recs]
+
+
+def replot(out: Path) -> list[str]:
+    """Redraw the figures of a finished campaign from its committed ``results.csv`` (and the per-round
+    logs when present), without training: how a plotting fix reaches the committed PNGs. The scale is
+    read back from ``tables.md``'s caption; the README's figure links are updated."""
+    with open(out / "results.csv", newline="") as handle:
+        rows = [_typed(row) for row in csv.DictReader(handle)]
+    scale = Scale()
+    caption_text = (out / "tables.md").read_text() if (out / "tables.md").exists() else ""
+    if found := re.search(r"(\d+) rounds, 1 seed", caption_text):
+        scale = replace(scale, rounds=int(found.group(1)))
+    if "α clamped" in caption_text:
+        scale = replace(scale, alpha_clamp=(5e-4, 5e-2))
+    written = plot(rows, scale, out)
+    readme = out / "README.md"
+    if readme.exists():
+        text = re.sub(r"(!\[[^\]]*\]\([^)]*\.png\)\n)+", _figure_links(written), readme.read_text())
+        readme.write_text(text)
+    return written
+
+
+def _figure_links(names: list[str]) -> str:
+    alt = {"final_accuracy.png": "final and best accuracy per method and split",
+           "ablations.png": "rho and phi ablations"}
+    return "".join(f"![{alt.get(n, 'convergence, N=' + n[len('curves_n'):-4])}]({n})\n" for n in names)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -297,7 +397,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="clamp FedBAT's α to [5e-4, 5e-2] like the authors' code (the paper does not)")
     parser.add_argument("--splits", nargs="+", choices=SPLITS, default=None, help="run only these splits")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--replot", action="store_true",
+                        help="only redraw the figures from the results already in --out (no training)")
     args = parser.parse_args(argv)
+    if args.replot:
+        out = args.out or Path("experiments/results/fedbat")
+        print(f"redrew {', '.join(replot(out))} in {out}/")
+        return 0
     scale = QUICK if args.quick else Scale()
     if args.released_clamp:
         scale = replace(scale, alpha_clamp=(5e-4, 5e-2))
@@ -333,9 +439,9 @@ def save(rows: list[dict[str, Any]], scale: Scale, out: Path, quick: bool) -> No
         writer.writeheader()
         writer.writerows(rows)
     write_tables(rows, scale, out)
-    plot(rows, scale, out)
+    figures = plot(rows, scale, out)
     if not quick:
-        write_readme(rows, scale, out)
+        write_readme(rows, scale, out, figures)
 
 
 README = """## FedBAT: learnable binarization (Li et al., ICML 2024) on Fashion-MNIST
@@ -359,10 +465,7 @@ alpha is fixed); FedAvg 32 bits per weight. Every method also sends its BatchNor
 running statistics) in float32, counted as "BN". For the paper's full-width FMNIST CNN the FedBAT payload
 is 389,920 + 5 x 32 = 390,080 bits (tested in `tests/test_fedbat.py`).
 
-![convergence, N=100](curves_n100.png)
-![convergence, N=30](curves_n30.png)
-![rho and phi ablations](ablations.png)
-
+{figures}
 Notes.
 - Accuracy is that of the global model with BatchNorm in eval mode, using the clients' averaged running
   statistics (FedBAT-spec T17). With a *fixed* step alpha = 0.001 (SignSGD) or 0.01 (Noisy-, Stoc-SignSGD)
@@ -383,11 +486,11 @@ Notes.
 """
 
 
-def write_readme(rows: list[dict[str, Any]], scale: Scale, out: Path) -> None:
+def write_readme(rows: list[dict[str, Any]], scale: Scale, out: Path, figures: list[str]) -> None:
     """The Markdown section the project README copies: tables, plots and commands, from the results."""
     text = README.format(n_runs=len(rows), n_planned=len(plan(scale, quick=False)),
                          cpu=sum(r["cpu_seconds"] for r in rows), caption=caption(scale),
-                         tables=(out / "tables.md").read_text().strip())
+                         tables=(out / "tables.md").read_text().strip(), figures=_figure_links(figures))
     (out / "README.md").write_text(text)
 
 

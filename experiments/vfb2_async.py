@@ -11,7 +11,8 @@ training time). Outputs in ``experiments/results/vfb2_async/``:
 * ``runs.csv`` - every evaluation of every job (tag, settings, epoch, time, updates, loss, gap, accuracy);
 * ``async_vs_sync.md`` - time to 1e-2 and 1e-3 sub-optimality, async vs sync, and their ratio;
 * ``fig3_logistic.png`` / ``fig4_nonconvex-logistic.png`` - sub-optimality vs training time and vs
-  epochs, one row per dataset (solid: async VFB², dashed: sync VFB).
+  epochs, one row per dataset (a colour per optimiser and mode; solid: async VFB², dashed: sync VFB);
+  ``--replot`` redraws them from ``runs.csv``.
 
 Settings and reductions (the paper: q = 8, m = 3, k = m, a 30-50 % straggler in the sync runs only):
 q = 4 parties, m = 2 active (ranks 0, 1), k = m = 2 workers, B = 1, λ = 1e-4, γ per dataset and
@@ -22,11 +23,15 @@ On 2 cores, 4 ranks share the CPUs: timings are ratios measured side by side, no
 
 from __future__ import annotations
 
+import csv
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from experiments._plotting import figure_legend, pyplot, save
 from experiments._vfb2_runner import (
+    RESULTS,
     JobResult,
     base_parser,
     command_line,
@@ -46,7 +51,6 @@ from vfl.datasets import get_spec
 
 NAME = "vfb2_async"
 TARGETS = (1e-2, 1e-3)
-COLORS = {"sgd": "tab:blue", "svrg": "tab:orange", "saga": "tab:green"}
 FIGURE = {"logistic": "fig3", "nonconvex-logistic": "fig4"}
 
 
@@ -110,34 +114,74 @@ def table(rows: list[dict]) -> str:
     return markdown_table(header, body)
 
 
+#: (optimiser, mode) -> colour: a hue family per optimiser, dark for async VFB², light for sync VFB, so
+#: every line is told apart by colour alone (line style repeats it: solid async, dashed sync)
+MODE_COLOURS = {("sgd", "async"): "tab:blue", ("sgd", "sync"): "tab:cyan",
+                ("svrg", "async"): "tab:red", ("svrg", "sync"): "tab:orange",
+                ("saga", "async"): "tab:green", ("saga", "sync"): "tab:olive"}
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One job's evaluations, as the figure needs them (from a live :class:`JobResult` or ``runs.csv``)."""
+
+    dataset: str
+    problem: str
+    algorithm: str
+    mode: str
+    records: list[dict]
+
+
 def plot(pairs: list[list[JobResult]], problem: str, path) -> None:
-    import matplotlib
+    curves = [Curve(j.config.dataset, j.config.problem, j.config.algorithm, j.config.mode, j.records)
+              for pair in pairs for j in pair]
+    save(figure(curves, problem), path)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    mine = [p for p in pairs if p[0].config.problem == problem]
-    datasets = list(dict.fromkeys(p[0].config.dataset for p in mine))
-    fig, axes = plt.subplots(len(datasets), 2, figsize=(10, 3.3 * len(datasets)), squeeze=False)
+def figure(curves: list[Curve], problem: str):
+    """Sub-optimality against training time and epochs, one row per dataset, one legend for all."""
+    plt = pyplot()
+    mine = [c for c in curves if c.problem == problem]
+    datasets = list(dict.fromkeys(c.dataset for c in mine))
+    fig, axes = plt.subplots(len(datasets), 2, figsize=(10, 3.3 * len(datasets) + 0.6), squeeze=False,
+                             layout="constrained")
     for row, dataset in zip(axes, datasets, strict=True):
-        for job in (j for p in mine if p[0].config.dataset == dataset for j in p):
-            c = job.config
-            gap = np.clip([r["suboptimality"] for r in job.records], 1e-8, None)
-            style = dict(color=COLORS.get(c.algorithm, "k"), ls="-" if c.mode == "async" else "--",
-                         marker="o" if c.mode == "async" else "s", ms=3,
-                         label=f"{'VFB²' if c.mode == 'async' else 'VFB'}-{c.algorithm.upper()}")
-            row[0].semilogy([r["time"] for r in job.records], gap, **style)
-            row[1].semilogy([r["epoch"] for r in job.records], gap, **style)
+        for algorithm, mode in MODE_COLOURS:   # fixed order: the legend lists optimisers together
+            for c in (c for c in mine if (c.dataset, c.algorithm, c.mode) == (dataset, algorithm, mode)):
+                gap = np.clip([float(r["suboptimality"]) for r in c.records], 1e-8, None)
+                name = "VFB² (async)" if mode == "async" else "VFB (sync)"
+                style = dict(color=MODE_COLOURS[(algorithm, mode)], ls="-" if mode == "async" else "--",
+                             marker="o" if mode == "async" else "s", ms=3,
+                             label=f"{name}-{algorithm.upper()}")
+                row[0].semilogy([float(r["time"]) for r in c.records], gap, **style)
+                row[1].semilogy([float(r["epoch"]) for r in c.records], gap, **style)
         name = get_spec(dataset).name
         row[0].set(title=f"{name}, {problem}: vs training time", xlabel="training time (s)",
-                   ylabel="f(w) − f*")
-        row[1].set(title=f"{name}, {problem}: vs epochs", xlabel="epochs", ylabel="f(w) − f*")
+                   ylabel="sub-optimality f(w) − f*")
+        row[1].set(title=f"{name}, {problem}: vs epochs", xlabel="epochs",
+                   ylabel="sub-optimality f(w) − f*")
         for ax in row:
-            ax.axhline(1e-3, color="grey", lw=0.6, ls=":")
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+            ax.axhline(1e-3, color="grey", lw=0.6, ls=":", label="target 1e-3")
+            ax.grid(alpha=0.3)
+    figure_legend(fig, ncol=len({(c.algorithm, c.mode) for c in mine}) + 1)   # one row: pairs side by side
+    return fig
+
+
+def replot(out: Path) -> list[Path]:
+    """Redraw the figures from a finished run's ``runs.csv`` (no jobs): every evaluation is there."""
+    with open(out / "runs.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    by_tag: dict[str, list[dict]] = {}
+    for r in rows:
+        by_tag.setdefault(r["tag"], []).append(r)
+    curves = [Curve(rs[0]["dataset"], rs[0]["problem"], rs[0]["algorithm"], rs[0]["mode"], rs)
+              for rs in by_tag.values()]
+    written = []
+    for problem in dict.fromkeys(c.problem for c in curves):
+        path = out / f"{FIGURE.get(problem, 'fig')}_{problem}.png"
+        save(figure(curves, problem), path)
+        written.append(path)
+    return written
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -151,7 +195,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--slowdown", type=float, default=0.4, help="straggler's extra time (paper: 0.3-0.5)")
     p.add_argument("--target", type=float, default=1e-3, help="stop criterion (sub-optimality)")
     p.add_argument("--time-limit", type=float, default=None, help="cap per job, seconds (default 90)")
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw the figures from runs.csv already in the output folder (no jobs)")
     args = p.parse_args(argv)
+    if args.replot:
+        out = args.out if args.out is not None else RESULTS / NAME
+        say(f"redrew {', '.join(str(p) for p in replot(out))}")
+        return []
     out = output_dir(args, NAME)
     quick = args.quick
     datasets = args.datasets or (["breast-cancer"] if quick else ["d1", "a9a", "w8a"])

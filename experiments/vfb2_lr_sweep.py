@@ -17,6 +17,7 @@ Outputs in ``experiments/results/vfb2_lr_sweep/``: ``sweep.csv`` (objective gap 
 
 from __future__ import annotations
 
+import csv
 import math
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments._vfb2_runner import (
+    RESULTS,
     base_parser,
     command_line,
     dataset_present,
@@ -80,24 +82,39 @@ def best_gamma(rows: list[dict], algorithm: str) -> float:
 
 
 def _plot(rows: list[dict], dataset: str, algorithms: list[str], path) -> None:
-    import matplotlib
+    """One panel per optimiser; a fixed colour per γ of the paper's grid on every panel, one legend."""
+    from experiments._plotting import colours, figure_legend, pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(algorithms), figsize=(4.2 * len(algorithms), 3.4), squeeze=False)
+    plt = pyplot()
+    colour = colours(sorted({*GRID, *(float(r["gamma"]) for r in rows)}, reverse=True))
+    fig, axes = plt.subplots(1, len(algorithms), figsize=(4.2 * len(algorithms), 3.9), squeeze=False,
+                             layout="constrained")
     for ax, algorithm in zip(axes[0], algorithms, strict=True):
-        for gamma in sorted({r["gamma"] for r in rows}, reverse=True):
-            pts = [(r["epoch"], r["suboptimality"]) for r in rows
-                   if r["algorithm"] == algorithm and r["gamma"] == gamma and r["dataset"] == dataset]
+        for gamma in colour:
+            pts = [(float(r["epoch"]), float(r["suboptimality"])) for r in rows
+                   if r["algorithm"] == algorithm and float(r["gamma"]) == gamma and r["dataset"] == dataset]
+            if not pts:
+                continue
             x, y = zip(*pts, strict=True)
             ax.semilogy(x, np.clip(np.asarray(y, dtype=float), 1e-12, 1e3), marker="o", ms=3,
-                        label=f"γ={gamma:g}")
-        ax.set(title=f"{dataset}: VFB²-{algorithm.upper()} (serial)", xlabel="epoch", ylabel="f(w) − f*")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+                        color=colour[gamma], label=f"γ={gamma:g}")
+        ax.set(title=f"{dataset}: VFB²-{algorithm.upper()} (serial)", xlabel="epochs",
+               ylabel="sub-optimality f(w) − f*")
+        ax.grid(alpha=0.3)
+    figure_legend(fig, title="step size")
+    save(fig, path)
+
+
+def replot(out: Path) -> list[Path]:
+    """Redraw ``sweep_<dataset>.png`` from the ``sweep.csv`` already in ``out`` (no training)."""
+    with open(out / "sweep.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    written = []
+    for dataset in dict.fromkeys(r["dataset"] for r in rows):
+        algorithms = list(dict.fromkeys(r["algorithm"] for r in rows if r["dataset"] == dataset))
+        _plot(rows, dataset, algorithms, out / f"sweep_{dataset}.png")
+        written.append(out / f"sweep_{dataset}.png")
+    return written
 
 
 def main(argv: list[str] | None = None) -> dict[tuple[str, str], float]:
@@ -106,7 +123,13 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, str], float]:
     p.add_argument("--problem", default="logistic")
     p.add_argument("--algorithms", nargs="+", default=["sgd", "svrg", "saga"])
     p.add_argument("--epochs", type=int, default=None, help="default 5 (1 with --quick)")
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw the figures from sweep.csv already in the output folder (no training)")
     args = p.parse_args(argv)
+    if args.replot:
+        written = replot(args.out if args.out is not None else RESULTS / NAME)
+        say(f"redrew {', '.join(str(path) for path in written)}")
+        return {}
     out = output_dir(args, NAME)
     names = args.datasets or (["breast-cancer"] if args.quick else ["d1", "a9a", "w8a"])
     epochs = args.epochs or (2 if args.quick else 5)

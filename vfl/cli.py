@@ -1,5 +1,5 @@
-"""The ``vfl`` command: ``datasets``, ``split``, ``reference``, ``train``, ``predict``, ``hfl-train``,
-``hfl-split``.
+"""The ``vfl`` command: ``datasets``, ``split``, ``align``, ``reference``, ``train``, ``predict``,
+``plot``, ``keygen``, ``hfl-train``, ``hfl-split``.
 
 Each subcommand validates its options here, at the edge, and turns library errors into one readable
 line and exit code 2 (never a traceback for a user mistake). ``train`` imports ``parties`` lazily: the
@@ -113,6 +113,13 @@ def _cmd_align(args: argparse.Namespace) -> int:
 
     return launch(args.parties, args.ids, args.id_column, args.out)
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from vfl.plotting import plot_runs
+
+    out = plot_runs(args.runs, args.out, x=args.x)
+    print(f"wrote {out} and metrics.csv in {len(args.runs)} run folder(s)")
+    return 0
+
 
 def _run_hfl(command: str, rest: list[str]) -> int:
     """Horizontal FL lives in ``parties.hfl``, which parses its own options (it imports torch, so only
@@ -183,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id-column", default="id", help="the column holding the ids")
     p.add_argument("--out", required=True, help="folder for party-<p>.csv, the aligned files")
     p.set_defaults(func=_cmd_align)
+
+    p = sub.add_parser("plot", help="plot loss, sub-optimality and test metric of runs; write metrics.csv")
+    p.add_argument("runs", nargs="+", metavar="RUN",
+                   help="--out folders of `vfl train` runs (e.g. runs/latest)")
+    p.add_argument("--out", default=None, help="PNG file (default: <first run>/metrics.png)")
+    p.add_argument("--x", choices=("time", "epoch"), default="time",
+                   help="x axis: training time in seconds, or epochs")
+    p.set_defaults(func=_cmd_plot)
 
     for name, about in (("hfl-train", "horizontal FL: a server rank and client ranks (starts mpiexec)"),
                         ("hfl-split", "write one data file per client process for `vfl hfl-train`")):
