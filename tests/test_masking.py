@@ -219,3 +219,19 @@ def test_complex_values_are_refused_not_truncated() -> None:
     with pytest.raises(TypeError, match="real numbers"):
         as_real_vector(np.array(["1.0"]))
     assert as_real_vector([1, 2]).dtype == np.float64
+
+
+@pytest.mark.parametrize("cipher", ["aes-128-ctr", "chacha20"])
+def test_both_keystream_ciphers_give_fresh_uniform_words(cipher):
+    from protocols.masking import Keystream
+
+    a, b = Keystream(cipher), Keystream(cipher)
+    words = a.words(1 << 16)
+    assert not np.array_equal(words[:64], b.words(64))  # keyed from os.urandom, per party
+    bits = np.unpackbits(words.view(np.uint8))
+    assert abs(bits.mean() - 0.5) < 0.005
+    assert np.unique(words).size == words.size
+    small = [a.word() for _ in range(100)]
+    assert len(set(small)) == 100 and not set(small) & set(words.tolist())
+    with pytest.raises(ValueError, match="unknown keystream cipher"):
+        Keystream("rc4")
