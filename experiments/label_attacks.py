@@ -92,43 +92,102 @@ def attack_all(transcript_path: str | Path, y: np.ndarray) -> dict[str, dict[str
     return {name: judge(attack(t, y.size), y) for name, attack in ATTACKS.items()}
 
 
+MODES = {"plain": {}, "dp-16": {"label_privacy": "dp", "epsilon": 16.0},
+         "dp-4": {"label_privacy": "dp", "epsilon": 4.0}, "dp-1": {"label_privacy": "dp", "epsilon": 1.0}}
+COLOURS = {"plain": "tab:red", "dp-16": "tab:orange", "dp-4": "tab:green", "dp-1": "tab:blue"}
+
+
 def main(argv: list[str] | None = None) -> None:
     import tempfile
 
     from parties.config import RunConfig
     from parties.launch import launch
     from vfl.datasets import load
+    from vfl.problems import get_problem
+    from vfl.reference import evaluate, solve_reference
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--datasets", nargs="+", default=["breast-cancer", "a9a"])
-    p.add_argument("--algorithms", nargs="+", default=["sgd", "svrg", "saga-scalar"])
+    p.add_argument("--datasets", nargs="+", default=["credit-card", "a9a"])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--algorithm", default="svrg")
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     rows = []
     for dataset in args.datasets:
         try:
-            y = load(dataset, seed=0).y_train
+            ds = load(dataset, seed=0)
         except FileNotFoundError as err:
             print(f"[label_attacks] {dataset}: {err.__class__.__name__}; skipped")
             continue
-        for algorithm in args.algorithms:
+        problem = get_problem("logistic", lam=1e-4)
+        nonf = evaluate(problem, solve_reference(problem, ds.X_train, ds.y_train).w, ds.X_test, ds.y_test)
+        for mode in args.modes:
             work = Path(tempfile.mkdtemp(prefix="vfl-attack-"))
-            config = RunConfig(parties=4, active=1, dataset=dataset, algorithm=algorithm, epochs=args.epochs,
-                               audit=True, out=str(work), progress=False)
+            config = RunConfig(parties=4, active=1, dataset=dataset, algorithm=args.algorithm,
+                               epochs=args.epochs, audit=True, out=str(work), progress=False, **MODES[mode])
             if launch(config, echo=False) != 0:
-                raise RuntimeError(f"{dataset}/{algorithm}: training failed")
-            for party in range(1, 4):
-                for attack, scores in attack_all(work / f"audit-{party}.npz", y).items():
-                    rows.append({"dataset": dataset, "mode": "plain", "algorithm": algorithm,
-                                 "party": party, "attack": attack, **scores})
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"load": os.getloadavg(), "rows": rows}, indent=1))
-    lines = ["| dataset | algorithm | attack | coverage | accuracy | AUC | majority class |",
-             "|---|---|---|---|---|---|---|"]
+                raise RuntimeError(f"{dataset}/{mode}: training failed")
+            last = json.loads((work / "metrics.jsonl").read_text().splitlines()[-1])
+            found = attack_all(work / "audit-1.npz", ds.y_train)
+            best = max(found, key=lambda a: found[a]["accuracy"] if found[a]["coverage"] else -1)
+            rows.append({"dataset": dataset, "mode": mode, "algorithm": args.algorithm, "party": 1,
+                         "test_accuracy": last["test_accuracy"], "nonf_accuracy": nonf["accuracy"],
+                         "seconds_per_epoch": last["time"] / max(last["epoch"], 1e-9),
+                         "best_attack": best,
+                         **{f"{a}_{k}": v for a, r in found.items() for k, v in r.items()}})
+            print(f"[label_attacks] {dataset} {mode}: test {last['test_accuracy']:.4f} (NonF "
+                  f"{nonf['accuracy']:.4f}), best attack {best} {found[best]['accuracy']:.3f}", flush=True)
+    write(rows, args.out)
+
+
+def write(rows: list[dict], out: Path) -> None:
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"load": os.getloadavg(), "cpu": _cpu(), "rows": rows},
+                                                 indent=1))
+    with open(out / "results.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| dataset | mode | test accuracy | NonF | best attack | its accuracy (rows seen) "
+             "| majority class | s/epoch |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r["party"] == 1:
-            lines.append(f"| {r['dataset']} | {r['algorithm']} | {r['attack']} | {r['coverage']:.2f} | "
-                         f"{r['accuracy']:.3f} | {r['auc']:.3f} | {r['majority']:.3f} |")
-    (args.out / "table.md").write_text("\n".join(lines) + "\n")
+        b = r["best_attack"]
+        lines.append(f"| {r['dataset']} | {r['mode']} | {100 * r['test_accuracy']:.2f} % | "
+                     f"{100 * r['nonf_accuracy']:.2f} % | {b} | {100 * r[b + '_accuracy']:.1f} % "
+                     f"({100 * r[b + '_coverage']:.0f} %) | {100 * r[b + '_majority']:.1f} % | "
+                     f"{r['seconds_per_epoch']:.2f} |")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    datasets = sorted({r["dataset"] for r in rows})
+    fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets, strict=True):
+        for r in (r for r in rows if r["dataset"] == dataset):
+            b = r["best_attack"]
+            ax.scatter(100 * r[b + "_accuracy"], 100 * r["test_accuracy"], s=60, color=COLOURS[r["mode"]],
+                       label=r["mode"])
+        majority = next(r for r in rows if r["dataset"] == dataset)["full_theta_majority"]
+        ax.axvline(100 * majority, color="grey", ls=":", lw=1, label="majority class (chance)")
+        ax.set_title(dataset)
+        ax.set_xlabel("best label attack by a passive party: accuracy (%)")
+        ax.set_ylabel("test accuracy of the model (%)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(dict(zip(labels, handles, strict=True)).values(), dict(zip(labels, handles, strict=True)),
+               loc="lower center", ncol=5)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(out / "privacy_utility.png", dpi=120)
     print("\n".join(lines))
+
+
+def _cpu() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"

@@ -15,6 +15,9 @@ from pathlib import Path
 
 from vfl.algorithms.registry import ALGORITHMS, MODES, get_algorithm
 
+#: How the labels are protected: not at all (plain VFB²), or ε-label-DP by randomized response.
+LABEL_PRIVACY = ("none", "dp")
+
 #: Largest mini-batch: one step's (ϑ, i) message and aggregation request must fit the runtime's
 #: receive buffer (``parties.runtime.MAX_MESSAGE_WORDS``).
 MAX_BATCH = 4000
@@ -55,6 +58,8 @@ class RunConfig:
     out: str | None = None
     party_dir: str | None = None
     overwrite: bool = False
+    label_privacy: str = "none"
+    epsilon: float | None = None
     secure_channels: bool = False
     channel_keys: str | None = None
     channel_public_keys: list[str] | None = None
@@ -138,6 +143,25 @@ def validate(config: RunConfig) -> RunConfig:
         raise ConfigError("--target-suboptimality must be positive")
     if c.time_limit is not None and c.time_limit <= 0:
         raise ConfigError("--time-limit must be positive (seconds)")
+    if c.label_privacy not in LABEL_PRIVACY:
+        raise ConfigError(f"unknown --label-privacy {c.label_privacy!r}; "
+                          f"choose one of {', '.join(LABEL_PRIVACY)}")
+    if c.label_privacy == "dp":
+        from vfl.problems import PROBLEMS
+
+        if c.problem in PROBLEMS and PROBLEMS[c.problem].task != "binary":
+            raise ConfigError("--label-privacy dp protects binary labels (randomized response): "
+                              f"--problem {c.problem} is a regression")
+        if c.epsilon is None or not 0 < c.epsilon < float("inf"):
+            raise ConfigError("--label-privacy dp needs --epsilon, a positive number (e.g. 1, 4, 16)")
+        if c.active != 1:
+            raise ConfigError("--label-privacy dp needs -m 1: several active parties would each release "
+                              "their own noisy labels, and privacy would compose")
+        if c.target_suboptimality is not None or c.f_star is not None:
+            raise ConfigError("--label-privacy dp does not use f*: f* of the true labels would leak them; "
+                              "drop --target-suboptimality / --f-star")
+    elif c.epsilon is not None:
+        raise ConfigError("--epsilon needs --label-privacy dp")
     if c.channel_keys is not None and not c.secure_channels:
         raise ConfigError("--channel-keys needs --secure-channels")
     if c.party_dir is not None:
@@ -250,6 +274,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--party-dir", default=None, metavar="TEMPLATE",
                    help="each party's own folder for its block and checkpoints, e.g. /srv/org{rank}/model "
                         "(default: --out)")
+    p.add_argument("--label-privacy", default=d.label_privacy, choices=LABEL_PRIVACY,
+                   help="none: passive parties can infer the labels from ϑ; dp: ε-label-DP by randomized "
+                        "response on the training labels (needs --epsilon, -m 1)")
+    p.add_argument("--epsilon", type=float, default=None, help="ε of --label-privacy dp")
     p.add_argument("--secure-channels", action="store_true",
                    help="seal every message between parties (X25519 + ChaCha20-Poly1305)")
     p.add_argument("--channel-keys", default=None, metavar="FILE",

@@ -37,6 +37,11 @@ def load_party(config: RunConfig, rank: int) -> PartyState:
         X_train, X_test = block_of(ds.X_train, cols), block_of(ds.X_test, cols)
         y_train, y_test = (ds.y_train, ds.y_test) if active else (None, None)
         train_ids, test_ids = np.arange(ds.n_train), np.arange(ds.n_test)
+    if active and config.label_privacy == "dp":
+        from vfl.label_privacy import randomized_response
+
+        # a secret only this party draws: a seed anyone could read would let them undo the flips
+        y_train = randomized_response(y_train, config.epsilon, np.random.default_rng())
     problem = get_problem(config.problem, lam=config.lam)
     block = Block.from_matrix(X_train)
     rule = get_algorithm(config.algorithm).rule(block, problem.regularizer, problem.lam, config.gamma)
