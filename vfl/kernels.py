@@ -48,6 +48,8 @@ MODE_SGD, MODE_SVRG, MODE_SAGA_SCALAR = 0, 1, 2
 #: largest λ·time one RK4 substep may cover. 0.01 keeps the RK4 error far below the modified-equation
 #: error for the step sizes used here (docs/lazy-updates.md, "Nonconvex regulariser").
 RK_SIGMA = 0.01
+#: L2 catch-ups of at most this many steps iterate the eager formula instead of the closed form.
+L2_ITERATE_GAP = 8
 #: sup_w |w/(1+w²)²| (at w² = 1/3): bounds |∇g| for the nonconvex regulariser.
 NONCONVEX_GRAD_MAX = 9.0 / (16.0 * math.sqrt(3.0))
 
@@ -244,13 +246,18 @@ def _nonconvex_catch_up(wj, muj, g, gamma, lam, has_mu, exact_gap):
 def catch_up(wj, muj, g, gamma, lam, reg, has_mu, log_a, exact_gap):
     """w_j after g dense steps ``w ← w − γ(μ_j + λ∇g(w))`` (μ_j = 0 when not has_mu).
 
-    L2: the step is affine, w ← a w + b with a = 1 − γλ, b = −γμ_j, so after g steps
-    w = a^g w + b (1 − a^g)/(1 − a); a^g = exp(g log1p(−γλ)) and 1 − a^g = −expm1(·) keep full precision
-    when gγλ is tiny. No regulariser: w − gγμ_j. Nonconvex: :func:`_nonconvex_catch_up`.
+    L2: up to L2_ITERATE_GAP steps, plain iteration; beyond, the step is affine, w ← a w + b with
+    a = 1 − γλ, b = −γμ_j, so after g steps w = a^g w + b (1 − a^g)/(1 − a); a^g = exp(g log1p(−γλ))
+    and 1 − a^g = −expm1(·) keep full precision when gγλ is tiny. No regulariser: w − gγμ_j.
+    Nonconvex: :func:`_nonconvex_catch_up`.
     """
     if g <= 0:
         return wj
     if reg == REG_L2:
+        if g <= L2_ITERATE_GAP:  # a few mul-adds beat exp + expm1, and equal the eager kernel exactly
+            for _ in range(g):
+                wj = _dense_step(wj, muj, gamma, lam, REG_L2, has_mu)
+            return wj
         if log_a == log_a:  # finite: 1 − γλ > 0
             x = g * log_a
             ag = math.exp(x)
@@ -290,8 +297,9 @@ def lazy_apply(indptr, indices, data, w, rows, thetas, mode, theta_ref, mu, gamm
             for p in range(indptr[i], indptr[i + 1]):
                 j = indices[p]
                 gap = target - last[j]
-                if gap > 0:
-                    w[j] = catch_up(w[j], mu[j], gap, gamma, lam, reg, has_mu, log_a, exact_gap)
+                if gap > 0:  # SGD never loads mu[j]: at large d_l every array touched is a cache miss
+                    muj = mu[j] if has_mu else 0.0
+                    w[j] = catch_up(w[j], muj, gap, gamma, lam, reg, has_mu, log_a, exact_gap)
                     last[j] = target
         for k in range(lo, hi):
             i = rows[k]
@@ -314,7 +322,8 @@ def lazy_row_dots(indptr, indices, data, w, rows, out, mu, has_mu, gamma, lam, r
         acc = 0.0
         for p in range(indptr[i], indptr[i + 1]):
             j = indices[p]
-            acc += data[p] * catch_up(w[j], mu[j], t - last[j], gamma, lam, reg, has_mu, log_a, exact_gap)
+            muj = mu[j] if has_mu else 0.0
+            acc += data[p] * catch_up(w[j], muj, t - last[j], gamma, lam, reg, has_mu, log_a, exact_gap)
         out[k] = acc
 
 
