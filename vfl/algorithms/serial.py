@@ -1,4 +1,4 @@
-"""VFB² update rules run in one process, one sample at a time, with no asynchrony and no masking.
+"""VFB² update rules run in one process, one step at a time, with no asynchrony and no masking.
 
 Why it exists: it is the same algorithm as the MPI runtime minus federation (every block updated from
 the same ϑ right away, no stale reads), so it (1) checks the update rules against the NonF optimum
@@ -25,27 +25,35 @@ class SerialResult:
 
 
 def run_serial(problem: Problem, X, y: np.ndarray, blocks: Sequence[np.ndarray], algorithm: str,
-               gamma: float, epochs: int, *, seed: int = 0,
+               gamma: float, epochs: int, *, seed: int = 0, lazy: bool = True, batch_size: int = 1,
                on_epoch: Callable[[int, np.ndarray], None] | None = None) -> SerialResult:
     """Run ``epochs`` passes of ``algorithm`` ("sgd", "svrg", "saga", "saga-scalar") over the blocks.
 
-    An epoch is n dominated updates with indices drawn uniformly with replacement (spec 3.2); SVRG
-    takes a snapshot at the start of every epoch (inner loop of n updates, the spec's default).
+    An epoch is n samples drawn uniformly with replacement, i.e. max(1, n // B) steps of B samples
+    (``batch_size``); every step's B products are taken at the iterate before the step. SVRG takes a
+    snapshot at the start of every epoch (inner loop of one pass, the spec's default). Reads go
+    through ``rule.products`` and every barrier (snapshot, end of epoch) through ``rule.synchronize``,
+    so lazy (default) and eager (``lazy=False``) rules give the same iterates up to rounding.
     """
     n = X.shape[0]
     rule_cls = get_rule(algorithm)
     parts = [Block.from_matrix(X[:, cols]) for cols in blocks]
-    rules: list[UpdateRule] = [rule_cls(b, problem.regularizer, problem.lam, gamma) for b in parts]
+    rules: list[UpdateRule] = [rule_cls(b, problem.regularizer, problem.lam, gamma, lazy=lazy,
+                                        batch_size=batch_size) for b in parts]
     ws = [np.zeros(b.n_cols) for b in parts]
     rng = np.random.default_rng(seed)
+    steps = max(1, n // batch_size)
+
+    def products(rows: np.ndarray) -> np.ndarray:
+        return sum(rule.products(w, rows) for rule, w in zip(rules, ws, strict=True))
 
     def full_theta() -> np.ndarray:
-        z = sum(b.products(w, np.arange(n)) for b, w in zip(parts, ws, strict=True))
-        return np.asarray(problem.theta(z, y), dtype=np.float64)
+        return np.asarray(problem.theta(products(np.arange(n)), y), dtype=np.float64)
 
     def assemble() -> np.ndarray:
         w = np.zeros(X.shape[1])
-        for cols, wl in zip(blocks, ws, strict=True):
+        for cols, rule, wl in zip(blocks, rules, ws, strict=True):
+            rule.synchronize(wl)
             w[cols] = wl
         return w
 
@@ -55,19 +63,17 @@ def run_serial(problem: Problem, X, y: np.ndarray, blocks: Sequence[np.ndarray],
         theta = full_theta()
         for rule, w in zip(rules, ws, strict=True):
             rule.initialize(theta, w)
-    one_row = np.empty(1, dtype=np.int64)
-    one_theta = np.empty(1)
     for epoch in range(1, epochs + 1):
         if rule_cls.needs_snapshot:
             theta0 = full_theta()
-            for rule in rules:
-                rule.snapshot(theta0)
-        for i in rng.integers(0, n, size=n):
-            one_row[0] = i
-            z = sum(b.products(w, one_row)[0] for b, w in zip(parts, ws, strict=True))
-            one_theta[0] = problem.theta(z, y[i])
             for rule, w in zip(rules, ws, strict=True):
-                rule.apply(w, one_row, one_theta)
+                rule.snapshot(theta0, w)
+        draws = rng.integers(0, n, size=steps * batch_size)
+        for start in range(0, draws.size, batch_size):
+            rows = draws[start:start + batch_size]
+            thetas = np.asarray(problem.theta(products(rows), y[rows]), dtype=np.float64).reshape(-1)
+            for rule, w in zip(rules, ws, strict=True):
+                rule.apply(w, rows, thetas)
         result.w = assemble()
         result.objective.append(problem.objective(result.w, X, y))
         if on_epoch is not None:
