@@ -32,9 +32,9 @@ def _streams(n_rows: int, updates: int, seed: int) -> list[tuple[np.ndarray, np.
             for _ in range(2)]
 
 
-def _apply(rule, w: np.ndarray, rows: np.ndarray, thetas: np.ndarray, batch: int) -> None:
+def _apply(rule, w: np.ndarray, rows: np.ndarray, thetas: np.ndarray, batch: int, writer: int = 1) -> None:
     for start in range(0, rows.size, batch):
-        rule.apply(w, rows[start:start + batch], thetas[start:start + batch])
+        rule.apply(w, rows[start:start + batch], thetas[start:start + batch], writer=writer)
 
 
 def _rate(rule, n_cols: int, streams, batch: int, threads: int) -> float:
@@ -44,8 +44,8 @@ def _rate(rule, n_cols: int, streams, batch: int, threads: int) -> float:
         for rows, thetas in streams:
             _apply(rule, w, rows, thetas, batch)
     else:
-        workers = [threading.Thread(target=_apply, args=(rule, w, rows, thetas, batch))
-                   for rows, thetas in streams]
+        workers = [threading.Thread(target=_apply, args=(rule, w, rows, thetas, batch, k + 1))
+                   for k, (rows, thetas) in enumerate(streams)]
         for t in workers:
             t.start()
         for t in workers:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     ds = load(args.dataset, seed=0)
     problem = get_problem("logistic", lam=args.lam)
     block = Block.from_matrix(ds.X_train)  # the whole feature set as one party's block: the heaviest case
-    rule = get_rule(args.algorithm)(block, problem.regularizer, problem.lam, gamma=1e-3)
+    rule = get_rule(args.algorithm)(block, problem.regularizer, problem.lam, gamma=1e-3, writers=3)
     if rule.needs_snapshot:
         rule.snapshot(np.zeros(block.n_rows))
     if rule.needs_initial_pass:

@@ -15,6 +15,12 @@ from pathlib import Path
 
 from vfl.algorithms.registry import ALGORITHMS, MODES, get_algorithm
 
+#: ``--updates auto`` goes lazy from this block width: below it the eager kernels' dense loop is
+#: cheaper than the lazy bookkeeping (measured: eager faster per update at d_l ≤ 1e3, lazy at 1e4;
+#: experiments/results/update_cost).
+LAZY_FROM_COLUMNS = 10_000
+UPDATES = ("auto", "lazy", "eager")
+
 #: How the labels are protected: not at all (plain VFB²), or ε-label-DP by randomized response.
 LABEL_PRIVACY = ("none", "dp")
 
@@ -42,6 +48,8 @@ class RunConfig:
     mode: str = "async"
     batch_size: int = 1
     inflight: int = 1
+    updates: str = "auto"
+    saga_table_budget: float = 2.0
     gamma: float = 0.05
     epochs: float = 10.0
     target_suboptimality: float | None = None
@@ -80,6 +88,12 @@ class RunConfig:
     def channel_key_path(self, rank: int) -> Path:
         """Party ``rank``'s private key for ``--secure-channels``, in its own folder."""
         return self.party_folder(rank) / f"party-{rank}.channel.key"
+
+    def lazy_updates(self, block_columns: int) -> bool:
+        """Whether a party with this many columns uses the lazy O(nnz) kernels (``--updates``)."""
+        if self.updates == "auto":
+            return block_columns >= LAZY_FROM_COLUMNS
+        return self.updates == "lazy"
 
     @property
     def worker_threads(self) -> int:
@@ -121,6 +135,10 @@ def validate(config: RunConfig) -> RunConfig:
         raise ConfigError(f"--lam must be non-negative (got {c.lam})")
     if not 1 <= c.batch_size <= MAX_BATCH:
         raise ConfigError(f"--batch-size must be between 1 and {MAX_BATCH} (got {c.batch_size})")
+    if c.updates not in UPDATES:
+        raise ConfigError(f"unknown --updates {c.updates!r}; choose one of {', '.join(UPDATES)}")
+    if not c.saga_table_budget > 0:
+        raise ConfigError(f"--saga-table-budget must be positive (GiB), got {c.saga_table_budget}")
     if c.inflight < 1:
         raise ConfigError(f"--inflight must be at least 1 (got {c.inflight})")
     if c.inflight > 1 and c.mode != "async":
@@ -206,6 +224,19 @@ def _validate_data(c: RunConfig) -> None:
     if ds.n_features < c.parties:
         raise ConfigError(f"dataset {c.dataset!r} has {ds.n_features} features: cannot give each of "
                           f"{c.parties} parties at least one")
+    _check_saga_table(c, ds.n_train, -(-ds.n_features // c.parties))
+
+
+def _check_saga_table(c: RunConfig, n_rows: int, widest_block: int) -> None:
+    """Exact SAGA's n × d_l table must fit its budget: refused here rather than by every rank."""
+    if c.algorithm != "saga":
+        return
+    from vfl.algorithms.vfb2 import check_saga_table_budget
+
+    try:
+        check_saga_table_budget(n_rows, widest_block, int(c.saga_table_budget * 2**30))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_party_files(c: RunConfig, folder: Path) -> None:
@@ -224,6 +255,7 @@ def _check_party_files(c: RunConfig, folder: Path) -> None:
         check_aligned(parties)
     except ValueError as err:
         raise ConfigError(f"--party-files {folder}: {err}") from None
+    _check_saga_table(c, parties[0].X_train.shape[0], max(p.n_features for p in parties))
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -248,6 +280,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "acknowledgement); sync-global (also all dominators in lockstep)")
     p.add_argument("-B", "--batch-size", type=int, default=d.batch_size,
                    help="rows per dominated update (1 = the paper's algorithm)")
+    p.add_argument("--updates", default=d.updates, choices=UPDATES,
+                   help="lazy: O(nnz) per update, dense terms caught up per coordinate when read; eager: "
+                        "the paper's O(d_l) loop; auto: lazy from 10,000 columns per party")
+    p.add_argument("--saga-table-budget", type=float, default=d.saga_table_budget, metavar="GiB",
+                   help="largest n × d_l table exact SAGA may allocate per party (else use saga-scalar)")
     p.add_argument("-P", "--inflight", type=int, default=d.inflight,
                    help="aggregation requests a dominator keeps outstanding (async mode)")
     p.add_argument("--gamma", type=float, default=d.gamma, help="learning rate γ")

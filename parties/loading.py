@@ -15,7 +15,7 @@ import numpy as np
 from parties.config import RunConfig
 from parties.runtime import PartyState
 from vfl.algorithms.registry import get_algorithm
-from vfl.algorithms.vfb2 import Block
+from vfl.algorithms.vfb2 import Block, SAGARule
 from vfl.problems import get_problem
 
 
@@ -44,7 +44,12 @@ def load_party(config: RunConfig, rank: int) -> PartyState:
         y_train = randomized_response(y_train, config.epsilon, np.random.default_rng())
     problem = get_problem(config.problem, lam=config.lam)
     block = Block.from_matrix(X_train)
-    rule = get_algorithm(config.algorithm).rule(block, problem.regularizer, problem.lam, config.gamma)
+    rule_cls = get_algorithm(config.algorithm).rule
+    options = {"lazy": config.lazy_updates(block.n_cols), "batch_size": config.batch_size,
+               "writers": config.worker_threads + 1}  # slot 0: the dominator; 1..k: the workers
+    if rule_cls is SAGARule:
+        options["table_budget_bytes"] = int(config.saga_table_budget * 2**30)
+    rule = rule_cls(block, problem.regularizer, problem.lam, config.gamma, **options)
     has_test = X_test is not None and X_test.shape[0] > 0
     return PartyState(
         rank=rank, block=block, w=np.zeros(block.n_cols), rule=rule,

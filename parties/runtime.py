@@ -198,7 +198,7 @@ class PartyRuntime:
         self.link = (DelayedDelivery(self._process, link_delay, link_jitter, seed=seed + self.rank,
                                      wrap=self._guard) if link_delay or link_jitter else None)
         self._threads = [threading.Thread(target=self._guard(self._comm_loop), name="comm", daemon=True)]
-        self._threads += [threading.Thread(target=self._guard(self._worker_loop), args=(qu,),
+        self._threads += [threading.Thread(target=self._guard(self._worker_loop), args=(qu, k + 1),
                                            name=f"worker-{k}", daemon=True)
                           for k, qu in enumerate(self.queues)]
         for t in self._threads:
@@ -207,7 +207,7 @@ class PartyRuntime:
     def _warm_up(self) -> None:
         """Compile the numba kernels now, so that JIT time never counts as training time."""
         none = np.zeros(0, dtype=np.int64)
-        self.party.block.products(self.party.w, none)
+        self.party.rule.products(self.party.w, none)
         self.party.rule.apply(self.party.w.copy(), none, np.zeros(0))
 
     # ---------------------------------------------------------------------------------- thread bodies
@@ -319,7 +319,7 @@ class PartyRuntime:
         self._send_all(step.outgoing)
         event = step.event
         if isinstance(event, Requested):
-            values = self.party.block.products(self.party.w, event.indices)
+            values = self.party.rule.products(self.party.w, event.indices)
             with self.node_lock:
                 step = self.node.start(event.root, event.rid, values)
             self._send_all(step.outgoing)
@@ -331,7 +331,7 @@ class PartyRuntime:
                                         f"party {self.rank} never made")
             slot.put(event.result())
 
-    def _worker_loop(self, inbox: queue.SimpleQueue) -> None:
+    def _worker_loop(self, inbox: queue.SimpleQueue, writer: int) -> None:
         """Apply (ϑ, i) messages as they come; whatever has queued up meanwhile is applied in one
         kernel call (same order, same result), so the GIL-holding Python work per message stays
         small and k workers overlap in the ``nogil`` kernels."""
@@ -348,7 +348,7 @@ class PartyRuntime:
                 if self.apply_delay:
                     time.sleep(self.apply_delay)
                 started = time.perf_counter()
-                party.rule.apply(party.w, rows, thetas)
+                party.rule.apply(party.w, rows, thetas, writer=writer)
                 self._straggle(started)
                 with self.applied_cond:
                     for source, _, _ in items:
@@ -386,7 +386,7 @@ class PartyRuntime:
             self.results[rid] = slot
         self._send_all(announcements)
         started = time.perf_counter()
-        values = self.party.block.products(self.party.w, rows)
+        values = self.party.rule.products(self.party.w, rows)
         with self.node_lock:
             step = self.node.start(self.rank, rid, values)
         self._straggle(started)
@@ -432,7 +432,7 @@ class PartyRuntime:
                 for dest in others:
                     self.sender.send(buf, dest, TAG_THETA)
             started = time.perf_counter()
-            party.rule.apply(party.w, step_rows, thetas)
+            party.rule.apply(party.w, step_rows, thetas, writer=0)
             self._straggle(started)
             if self.synchronous and self.dispatch:
                 for _ in others:
@@ -474,6 +474,7 @@ class PartyRuntime:
                 for r in others))
         self.sender.flush()
         self.ctrl.Barrier()
+        self.party.rule.synchronize(self.party.w)  # nothing writes now: bring every coordinate up to date
 
     def full_scores(self, test: bool = False, root: int = 0) -> np.ndarray | None:
         """w·x_i for every training (or test) sample, at ``root``, by batched secure aggregation."""

@@ -142,6 +142,7 @@ class _Trainer:
         if party.rule.needs_initial_pass:
             started = time.perf_counter()
             party.rule.initialize(self.rt.full_theta(LEADER), party.w)
+            self.rt.ctrl.Barrier()  # no (ϑ, i) may reach a party before its table is built
             self.train_time += time.perf_counter() - started
         n = party.block.n_rows
         outcome = self._decide(record)
@@ -150,6 +151,9 @@ class _Trainer:
             started = time.perf_counter()
             if party.rule.needs_snapshot:
                 party.rule.snapshot(self.rt.full_theta(LEADER))
+                # every party holds the new ϑ₀ and μ before any dominator sends a (ϑ, i) of this outer
+                # loop: one applied with the previous snapshot's ϑ₀ would not be an SVRG step
+                self.rt.ctrl.Barrier()
             done = 0
             if party.active:
                 quota = math.ceil(segment * n / (config.active * config.batch_size))
