@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,7 +208,7 @@ def _validate_data(c: RunConfig) -> None:
                               f"(write them with `vfl split`)")
         _check_party_files(c, folder)
         return
-    from vfl.datasets import DatasetNotFoundError, get_spec, load
+    from vfl.datasets import DatasetNotFoundError, get_spec
 
     try:
         spec = get_spec(c.dataset)
@@ -218,13 +219,22 @@ def _validate_data(c: RunConfig) -> None:
         raise ConfigError(f"--problem {c.problem} is a {want} problem but dataset {c.dataset!r} "
                           f"is {spec.task}")
     try:
-        ds = load(c.dataset, seed=c.seed, data_dir=c.data_dir)
+        ds = job_dataset(c.dataset, c.seed, c.data_dir)
     except DatasetNotFoundError as err:
         raise ConfigError(str(err)) from None
     if ds.n_features < c.parties:
         raise ConfigError(f"dataset {c.dataset!r} has {ds.n_features} features: cannot give each of "
                           f"{c.parties} parties at least one")
     _check_saga_table(c, ds.n_train, -(-ds.n_features // c.parties))
+
+
+@functools.lru_cache(maxsize=1)
+def job_dataset(name: str, seed: int, data_dir: str | None):
+    """The job's named dataset, loaded once per launcher process (validation, the NonF reference and
+    the per-party files all use this one copy; ``job_dataset.cache_clear()`` lets it go)."""
+    from vfl.datasets import load
+
+    return load(name, seed=seed, data_dir=data_dir)
 
 
 def _check_saga_table(c: RunConfig, n_rows: int, widest_block: int) -> None:

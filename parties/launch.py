@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from parties.checkpoint import MANIFEST, complete_epochs
-from parties.config import ConfigError, RunConfig, validate
+from parties.config import ConfigError, RunConfig, job_dataset, validate
 from parties.outcomes import EXIT_CODES, divergence_advice
 from vfl.problems import get_problem
 
@@ -38,13 +38,31 @@ def mpiexec_path() -> str:
 
 
 def reference_f_star(config: RunConfig) -> float:
-    """f* of the job's problem on its pooled training data (the NonF reference, spec 7.1 item 8)."""
-    from vfl.datasets import load
+    """f* of the job's problem on its pooled training data (the NonF reference)."""
     from vfl.reference import solve_reference
 
-    ds = load(config.dataset, seed=config.seed, data_dir=config.data_dir)
+    ds = job_dataset(config.dataset, config.seed, config.data_dir)
     problem = get_problem(config.problem, lam=config.lam)
     return float(solve_reference(problem, ds.X_train, ds.y_train).f_star)
+
+
+def write_party_files(config: RunConfig, out: Path) -> None:
+    """Give each party its own file of a named dataset, so every rank reads only its own block.
+
+    A simulation on one machine then runs exactly like a deployment: no rank ever loads the whole
+    dataset (it would hold q copies of it at once), and the launcher loads it once for all.
+    """
+    from vfl.datasets import split_to_party_files
+    from vfl.partition import random_blocks
+
+    folder = out / "parties"
+    if not (config.resume and (folder / "manifest.json").exists()):
+        ds = job_dataset(config.dataset, config.seed, config.data_dir)
+        blocks = random_blocks(ds.n_features, config.parties, seed=config.seed)
+        split_to_party_files(ds, blocks, list(range(config.active)), folder, partition_seed=config.seed,
+                             overwrite=True)
+    job_dataset.cache_clear()  # the launcher only waits from now on: let the data go
+    config.party_files = str(folder)
 
 
 def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None, echo: bool = True) -> int:
@@ -61,14 +79,17 @@ def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None, echo: 
         complete_epochs(out)  # a missing or damaged checkpoint is a usage error, found before mpiexec
     if config.f_star is None and config.party_files is None and config.label_privacy == "none":
         config.f_star = reference_f_star(config)
-    if config.secure_channels:
-        pin_channel_keys(config)
     try:
         out.mkdir(parents=True, exist_ok=True)
         config_path = out / "config.json"
-        config_path.write_text(config.to_json() + "\n")
+        config_path.write_text("{}\n")  # written whole below, once the job is prepared
     except OSError as err:
         raise ConfigError(f"--out {out}: cannot write there ({err.strerror})") from None
+    if config.party_files is None:
+        write_party_files(config, out)
+    if config.secure_channels:
+        pin_channel_keys(config)
+    config_path.write_text(config.to_json() + "\n")
     stale = [*out.glob("party-*.pid"), out / "result.json"]
     if not config.resume:  # a fresh run (--overwrite): nothing of the old one may survive
         stale += [out / MANIFEST, out / "metrics.jsonl", *out.glob("party-*.ckpt.npz"),

@@ -1,8 +1,9 @@
 """What one rank loads: its own block of the features and, on an active party, the labels.
 
-A rank reads only its own data: a per-party file written by ``vfl split`` (a real deployment: each
-organisation has only its file), or its column block of a registered dataset (a simulation on one
-machine). The loss goes only to active parties: passive parties never see it.
+A rank reads only its own data: its per-party file, written by ``vfl split`` (a real deployment: each
+organisation has only its file) or by the launcher from a registered dataset (a simulation on one
+machine runs the same way, and no rank ever holds the other parties' columns). The loss goes only to
+active parties: passive parties never see it.
 """
 
 from __future__ import annotations
@@ -22,21 +23,14 @@ from vfl.problems import get_problem
 def load_party(config: RunConfig, rank: int) -> PartyState:
     """This rank's PartyState: its block of the training/test features and, if active, the labels."""
     active = rank < config.active
-    if config.party_files is not None:
-        from vfl.datasets.party_files import load_party_file, party_file_name
+    if config.party_files is None:
+        raise ValueError("a rank reads only its own party file: the launcher writes them for a named "
+                         "dataset (parties.launch.write_party_files)")
+    from vfl.datasets.party_files import load_party_file, party_file_name
 
-        data = load_party_file(Path(config.party_files) / party_file_name(rank), expect_labels=active)
-        X_train, X_test, y_train, y_test = data.X_train, data.X_test, data.y_train, data.y_test
-        train_ids, test_ids = data.train_ids, data.test_ids
-    else:
-        from vfl.datasets import load
-        from vfl.partition import block_of, random_blocks
-
-        ds = load(config.dataset, seed=config.seed, data_dir=config.data_dir)
-        cols = random_blocks(ds.n_features, config.parties, seed=config.seed)[rank]
-        X_train, X_test = block_of(ds.X_train, cols), block_of(ds.X_test, cols)
-        y_train, y_test = (ds.y_train, ds.y_test) if active else (None, None)
-        train_ids, test_ids = np.arange(ds.n_train), np.arange(ds.n_test)
+    data = load_party_file(Path(config.party_files) / party_file_name(rank), expect_labels=active)
+    X_train, X_test, y_train, y_test = data.X_train, data.X_test, data.y_train, data.y_test
+    train_ids, test_ids = data.train_ids, data.test_ids
     if active and config.label_privacy == "dp":
         from vfl.label_privacy import randomized_response
 

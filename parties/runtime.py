@@ -139,6 +139,10 @@ class PartyRuntime:
                  apply_delay: float = 0.0, peer_timeout: float = 30.0, link_delay: float = 0.0,
                  link_jitter: float = 0.0, keys: ChannelKeys | None = None,
                  allow_two_parties: bool = False, audit: bool = False) -> None:
+        writers = getattr(party.rule, "writers", threads + 1)
+        if writers < threads + 1:  # the dominator and each worker need their own writer slot
+            raise ValueError(f"the update rule has {writers} writer slot(s); a party with {threads} "
+                             f"worker thread(s) needs {threads + 1} (build it with writers={threads + 1})")
         self.party = party
         self.rank = comm.Get_rank()
         self.q = comm.Get_size()

@@ -214,7 +214,8 @@ class _Trainer:
         rate = self.updates / self.train_time if self.train_time else 0.0
         shown = ", ".join(f"{k} {v:.6g}" for k, v in record.items()
                           if k in ("loss", "suboptimality", "test_accuracy", "test_rmse"))
-        print(f"VFB²-{c.algorithm} ({c.mode}) on {c.dataset if c.party_files is None else c.party_files}, "
+        own_split = c.party_files is None or Path(c.party_files) == self.out / "parties"
+        print(f"VFB²-{c.algorithm} ({c.mode}) on {c.dataset if own_split else c.party_files}, "
               f"q={c.parties}, m={c.active}: {self.epochs:g} epochs, {self.updates} dominated updates in "
               f"{self.train_time:.2f} s of training ({rate:,.0f}/s); {shown}.\n"
               f"Metrics: {self.out / 'metrics.jsonl'}; each party's block: "

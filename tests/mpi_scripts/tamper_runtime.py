@@ -44,7 +44,7 @@ def main() -> None:
     problem = get_problem("logistic", lam=0.1)
     active = rank < 2
     party = PartyState(rank=rank, block=block, w=np.zeros(WIDTH),
-                       rule=get_rule("sgd")(block, problem.regularizer, problem.lam, 0.05),
+                       rule=get_rule("sgd")(block, problem.regularizer, problem.lam, 0.05, writers=2),
                        problem=problem if active else None,
                        y=rng.choice([-1.0, 1.0], N_ROWS) if active else None)
     runtime = PartyRuntime(comm, party, active_ranks=[0, 1], threads=1, seed=0)
