@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     write(rows, args.out)
 
 
-def write(rows: list[dict], out: Path) -> None:
+def write(rows: list[dict], out: Path, load: tuple | None = None, cpu: str | None = None) -> None:
+    """Results as JSON/CSV/Markdown and the privacy–utility plot; ``load``/``cpu`` default to now,
+    passed when re-rendering a finished run from its results.json."""
     import csv
 
     import matplotlib
@@ -150,8 +152,8 @@ def write(rows: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"load": os.getloadavg(), "cpu": _cpu(), "rows": rows},
-                                                 indent=1))
+    header = {"load": load or os.getloadavg(), "cpu": cpu or _cpu()}
+    (out / "results.json").write_text(json.dumps({**header, "rows": rows}, indent=1))
     with open(out / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -170,8 +172,10 @@ def write(rows: list[dict], out: Path) -> None:
     for ax, dataset in zip(axes[0], datasets, strict=True):
         for r in (r for r in rows if r["dataset"] == dataset):
             b = r["best_attack"]
-            ax.scatter(100 * r[b + "_accuracy"], 100 * r["test_accuracy"], s=60, color=COLOURS[r["mode"]],
-                       label=r["mode"])
+            plain = r["mode"] == "plain"  # a ring, so a DP point on the same spot does not hide it
+            ax.scatter(100 * r[b + "_accuracy"], 100 * r["test_accuracy"], s=160 if plain else 60,
+                       facecolors="none" if plain else COLOURS[r["mode"]], edgecolors=COLOURS[r["mode"]],
+                       linewidths=2 if plain else 1, label=r["mode"], zorder=3 if plain else 2)
         majority = next(r for r in rows if r["dataset"] == dataset)["full_theta_majority"]
         ax.axvline(100 * majority, color="grey", ls=":", lw=1, label="majority class (chance)")
         ax.set_title(dataset)
