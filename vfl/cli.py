@@ -81,9 +81,10 @@ def _cmd_reference(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from parties.config import from_args
+    from parties.hosts import mpiexec_env
     from parties.launch import launch
 
-    return launch(from_args(args))
+    return launch(from_args(args), extra_env=mpiexec_env(args))
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -169,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train VFB² over q MPI parties (starts mpiexec)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     training_options(p)
+    from parties.hosts import add_arguments as host_options
+
+    host_options(p)
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("keygen", help="make this party's key pair for --secure-channels")
