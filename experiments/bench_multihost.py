@@ -74,19 +74,22 @@ def summarise(rows: list[dict]) -> dict:
 def plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), layout="constrained")
-    panels = (("ms_per_update", "time per dominated update (ms)", ["ms_per_update"]),
-              ("rtt", "round trip, one float64 (µs)", ["rtt_us_0_to_1", "rtt_us_1_to_0"]))
-    for ax, (_, ylabel, keys) in zip(axes, panels, strict=True):
+    panels = (("time per dominated update (ms)", ["ms_per_update"], "linear"),
+              ("round trip, one float64 (µs, log scale)", ["rtt_us_0_to_1", "rtt_us_1_to_0"], "log"))
+    for ax, (ylabel, keys, scale) in zip(axes, panels, strict=True):
         for x, key in enumerate(keys):
             for k, place in enumerate(PLACEMENTS):
                 values = [r[key] for r in rows if r["placement"] == place]
                 xs = np.full(len(values), x + (k - 0.5) * 0.3)
                 ax.scatter(xs, values, color=COLOURS[place], s=18, label=place, alpha=0.8)
                 ax.hlines(np.median(values), xs[0] - 0.1, xs[0] + 0.1, color=COLOURS[place], lw=2)
-        ax.set_xticks(range(len(keys)), [k.replace("rtt_us_", "").replace("_to_", " → ") for k in keys])
-        ax.set_xlabel("measure (bar: median over repeats)")
+        ticks = {"ms_per_update": "VFB² job", "rtt_us_0_to_1": "from rank 0", "rtt_us_1_to_0": "from rank 1"}
+        ax.set_xticks(range(len(keys)), [ticks[k] for k in keys])
+        ax.set_xlabel("one point a repeat; bar: median")
         ax.set_ylabel(ylabel)
-        ax.set_ylim(bottom=0)
+        ax.set_yscale(scale)
+        if scale == "linear":
+            ax.set_ylim(bottom=0)
     figure_legend(fig)
     save(fig, path)
 
@@ -103,7 +106,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pingpong", type=int, default=2000, help="round trips per ping-pong, each way")
     parser.add_argument("--subnet", default="10.215.0.0/24")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from multihost.csv")
     args = parser.parse_args(argv)
+    if args.plot_only:
+        import csv
+
+        with (OUT / "multihost.csv").open() as fh:
+            rows = [{k: (v if k in ("placement", "cpu") else float(v)) for k, v in r.items()}
+                    for r in csv.DictReader(fh)]
+        plot(rows, OUT / "multihost.png")
+        return
     reason = netns.unavailable()
     if reason is not None:
         raise SystemExit(f"experiments multihost: {reason}")
