@@ -1,4 +1,4 @@
-"""Losses, regularizers and the finite-sum problems of the VFB² paper (spec ``vfb2.md`` §1.3, §6.3).
+"""Losses, regularizers and the finite-sum problems of the VFB² paper (its problems (7) and (18)).
 
 A problem is ``f(w) = (1/n) Σ_i L(w·x_i, y_i) + λ Σ_l g(w_l)``. The paper puts the regularizer inside
 every ``f_i``; for the separable ``g`` used here that equals adding ``λ g(w)`` once, and the

@@ -1,11 +1,11 @@
 """The VFB² update rules (Algorithms 2-7) as small strategies over one party's block.
 
 A rule needs the regulariser λ·g (public: it acts on the party's own block) but not the loss, which
-only active parties know (spec 1.2). A rule owns the party's *algorithm state* (SVRG: ϑ_0 and μ_l;
+only active parties know. A rule owns the party's *algorithm state* (SVRG: ϑ_0 and μ_l;
 SAGA: the gradient table) but not the model block ``w``, which the runtime shares between threads.
 Both the dominator (its own block update, Alg. 2/4/6) and the collaborators (Alg. 3/5/7) call the same
 :meth:`UpdateRule.apply`: the update of block l from (ϑ, i) is the same formula whoever computed ϑ
-(spec 3.2, "exact semantics").
+(the paper's backward updating: every party applies the same ϑ to its own block).
 
 Full passes: SVRG needs the n-vector ϑ_0 at every outer-loop snapshot (:meth:`UpdateRule.snapshot`),
 SAGA needs the n-vector of initial ϑ's once (:meth:`UpdateRule.initialize`). The runtime obtains it by
