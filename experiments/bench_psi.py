@@ -12,26 +12,16 @@ import argparse
 import csv
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 
+from experiments._machine import cpu_model
 from parties.align import run_job
 
 RESULTS = Path(__file__).resolve().parent / "results" / "psi"
 FIELDS = ["parties", "ids_per_party", "overlap", "intersection", "seconds", "megabytes_sent", "load_before",
           "load_after", "cpu"]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
 
 
 def run_one(q: int, n: int, overlap: float, seed: int) -> dict:

@@ -20,13 +20,13 @@ import argparse
 import csv
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
 
+from experiments._machine import cpu_model
 from vfl.algorithms.vfb2 import Block, get_rule
 from vfl.problems import L2
 
@@ -38,16 +38,6 @@ COLOURS = {"sgd": "tab:blue", "svrg": "tab:orange", "saga-scalar": "tab:green", 
 NNZ_PER_ROW = 10
 LAM, GAMMA = 1e-4, 0.05
 EAGER_MAX_D = 100_000
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def synthetic_block(n_rows: int, d: int, seed: int) -> Block:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments._machine import cpu_model
 from parties.runtime import AUDIT_FULL_THETA, TAG_THETA
 
 OUT = Path(__file__).resolve().parent / "results" / "label_attacks"
@@ -152,7 +153,7 @@ def write(rows: list[dict], out: Path, load: tuple | None = None, cpu: str | Non
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    header = {"load": load or os.getloadavg(), "cpu": cpu or _cpu()}
+    header = {"load": load or os.getloadavg(), "cpu": cpu or cpu_model()}
     (out / "results.json").write_text(json.dumps({**header, "rows": rows}, indent=1))
     with open(out / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
@@ -187,11 +188,3 @@ def write(rows: list[dict], out: Path, load: tuple | None = None, cpu: str | Non
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(out / "privacy_utility.png", dpi=120)
     print("\n".join(lines))
-
-
-def _cpu() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"

@@ -4,7 +4,10 @@
 
 For every dataset present, problem and optimiser (SGD, SVRG, SAGA) it runs two real ``mpiexec`` jobs
 back to back with the *same* γ, seed, feature split and straggler: VFB² (``--mode async``) and its
-synchronous counterpart VFB (``--mode sync``). Both stop at the sub-optimality target or at the epoch /
+synchronous counterpart VFB (``--sync-mode``: ``sync-global``, the default, where every dominator takes
+each step together and each step waits for every party, as the synchronous baseline is described; or
+``sync``, the per-dominator variant the first results used, where only each dominator waits for the
+acknowledgements of its own steps). Both stop at the sub-optimality target or at the epoch /
 time cap, whichever comes first, and are evaluated every ``eval_every`` epochs (evaluation time is not
 training time). Outputs in ``experiments/results/vfb2_async/``:
 
@@ -56,11 +59,12 @@ FIGURE = {"logistic": "fig3", "nonconvex-logistic": "fig4"}
 
 def compare(dataset: str, problem: str, algorithm: str, *, parties: int, active: int, seed: int,
             gamma: float, epochs: float, time_limit: float, target: float, eval_every: float,
-            slowdown: float, data_dir: str | None, cache: Path) -> list[JobResult]:
+            slowdown: float, data_dir: str | None, cache: Path,
+            sync_mode: str = "sync-global") -> list[JobResult]:
     """The async and the sync job of one (dataset, problem, algorithm), run back to back."""
     f_star = nonf(dataset, problem, 1e-4, seed, data_dir=data_dir, cache=cache).f_star
     jobs = []
-    for mode in ("async", "sync"):
+    for mode in ("async", sync_mode):
         config = job_config(dataset, problem, algorithm, gamma, mode=mode, parties=parties, active=active,
                             seed=seed, f_star=f_star, epochs=epochs, time_limit=time_limit,
                             target_suboptimality=target, eval_every=eval_every, straggler=parties - 1,
@@ -138,6 +142,11 @@ def plot(pairs: list[list[JobResult]], problem: str, path) -> None:
     save(figure(curves, problem), path)
 
 
+def _family(mode: str) -> str:
+    """The colour family of a mode: async, or one of the synchronous baselines."""
+    return "async" if mode == "async" else "sync"
+
+
 def figure(curves: list[Curve], problem: str):
     """Sub-optimality against training time and epochs, one row per dataset, one legend for all."""
     plt = pyplot()
@@ -147,9 +156,10 @@ def figure(curves: list[Curve], problem: str):
                              layout="constrained")
     for row, dataset in zip(axes, datasets, strict=True):
         for algorithm, mode in MODE_COLOURS:   # fixed order: the legend lists optimisers together
-            for c in (c for c in mine if (c.dataset, c.algorithm, c.mode) == (dataset, algorithm, mode)):
+            for c in (c for c in mine
+                      if (c.dataset, c.algorithm, _family(c.mode)) == (dataset, algorithm, mode)):
                 gap = np.clip([float(r["suboptimality"]) for r in c.records], 1e-8, None)
-                name = "VFB² (async)" if mode == "async" else "VFB (sync)"
+                name = "VFB² (async)" if mode == "async" else f"VFB ({c.mode})"
                 style = dict(color=MODE_COLOURS[(algorithm, mode)], ls="-" if mode == "async" else "--",
                              marker="o" if mode == "async" else "s", ms=3,
                              label=f"{name}-{algorithm.upper()}")
@@ -194,6 +204,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slowdown", type=float, default=0.4, help="straggler's extra time (paper: 0.3-0.5)")
     p.add_argument("--target", type=float, default=1e-3, help="stop criterion (sub-optimality)")
+    p.add_argument("--sync-mode", default="sync-global", choices=["sync-global", "sync"],
+                   help="the synchronous baseline: all dominators in lockstep, or per dominator")
     p.add_argument("--time-limit", type=float, default=None, help="cap per job, seconds (default 90)")
     p.add_argument("--replot", action="store_true",
                    help="only redraw the figures from runs.csv already in the output folder (no jobs)")
@@ -224,14 +236,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                      epochs=2.0 if quick else epochs, time_limit=time_limit,
                                      target=3e-2 if quick else args.target, eval_every=0.5 if quick else 0.25,
                                      slowdown=args.slowdown, data_dir=args.data_dir,
-                                     cache=nonf_cache(args, out)))
+                                     cache=nonf_cache(args, out), sync_mode=args.sync_mode))
     write_rows(out / "runs.csv", [row for pair in pairs for job in pair for row in job.rows()])
     rows = summary_rows(pairs)
     write_rows(out / "summary.csv", rows)
     for problem in problems:
         if any(p[0].config.problem == problem for p in pairs):
             plot(pairs, problem, out / f"{FIGURE.get(problem, 'fig')}_{problem}.png")
-    caption = (f"Async VFB² vs sync VFB, same γ, straggler = rank {args.parties - 1} (passive) with "
+    caption = (f"Async VFB² vs sync VFB (--mode {args.sync_mode}), same γ, straggler = rank "
+               f"{args.parties - 1} (passive) with "
                f"--slowdown {args.slowdown} in both modes; q = {args.parties}, m = k = {args.active}, B = 1, "
                f"λ = 1e-4, seed {args.seed}; each job stops at sub-optimality "
                f"{3e-2 if quick else args.target:g} or its cap ({time_limit:g} s of training; 1.5 epochs for "

@@ -10,7 +10,11 @@ feature split and the sampling):
 * **NonF** - the same objective solved centrally on the pooled training data
   (:func:`vfl.reference.solve_reference`, ``‖∇f‖ ≤ 1e-6``); trained independently, never copied;
 * **AFSVRG-VP** - ``--algorithm afsvrg-vp``: VFB²-SVRG without backward updating; half the parties hold
-  labels and the other half's blocks stay at their initial zeros (spec 6.3);
+  labels and the other half's blocks stay at their initial zeros, so it can only reach the optimum of
+  the problem restricted to the label holders' columns. *Decision*: it runs to **its own** convergence,
+  the same stop rule as VFB²-SVRG measured against that restricted optimum (``f*_VP``, NonF solved on
+  the label holders' columns of the same feature split), with the same epoch cap: neither method is
+  cut short, and each is judged at the point the paper's criterion says it has converged;
 * **VFB²-SVRG** - ``--algorithm svrg``, asynchronous, the same label holders.
 
 Absent datasets are named in the table, with the paper's number, instead of silently dropped; a file
@@ -20,9 +24,8 @@ Settings and reductions (paper: q = 8, m = 3, k = m, 10 trials, stop 1e-5 on D1)
 m = 2 active (the same two label holders for AFSVRG-VP), k = m, B = 1, λ = 1e-4, γ from the serial
 sweep, seeds 0 and 1 (two trials: the 40-minute budget of this 2-core machine). VFB²-SVRG stops at
 sub-optimality 1e-5 (the paper's D1 criterion, used on every dataset) or after ``--epochs`` (default
-3; the nonconvex w8a column needs 12, see ``NONCONVEX_GAMMAS``); AFSVRG-VP runs
-1 epoch (its frozen blocks keep it far above 1e-5: it converges towards the optimum restricted to the
-label holders' features, which is all it can reach). Evaluations every 0.25 epoch; the runtime takes
+3; the nonconvex w8a column needs 12, see ``NONCONVEX_GAMMAS``); AFSVRG-VP the same, against
+``f*_VP``. Evaluations every 0.25 epoch; the runtime takes
 an SVRG snapshot at the start of every such segment, so the SVRG inner loop is n/4 updates.
 
 Outputs in ``experiments/results/vfb2_table2/``: ``runs.csv`` (every evaluation of every job),
@@ -31,8 +34,12 @@ Outputs in ``experiments/results/vfb2_table2/``: ``runs.csv`` (every evaluation 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections import defaultdict
 from pathlib import Path
+
+import numpy as np
 
 from experiments._vfb2_runner import (
     PAPER_CLASSIFICATION,
@@ -50,7 +57,8 @@ from experiments._vfb2_runner import (
     say,
     write_rows,
 )
-from vfl.datasets import get_spec
+from vfl.datasets import Dataset, get_spec, load
+from vfl.partition import random_blocks
 
 NAME = "vfb2_table2"
 PROBLEMS = {"logistic": "Problem (13), strongly convex", "nonconvex-logistic": "Problem (7), nonconvex"}
@@ -76,8 +84,18 @@ PAPER = {
 WHY_ABSENT = {"webspam": "cannot be had here (webspam trigram, 16.6M features, not in the data folder)"}
 
 
+def label_holders_only(dataset: str, seed: int, parties: int, active: int, data_dir: str | None) -> Dataset:
+    """The dataset restricted to the label holders' columns of the job's feature split (the launcher's
+    ``random_blocks(d, q, seed)``, parties ``0..m-1``): what AFSVRG-VP can fit."""
+    ds = load(dataset, seed=seed, data_dir=data_dir)
+    blocks = random_blocks(ds.n_features, parties, seed=seed)
+    columns = np.sort(np.concatenate(blocks[:active]))
+    return dataclasses.replace(ds, X_train=ds.X_train[:, columns], X_test=ds.X_test[:, columns],
+                               feature_names=None)
+
+
 def run_dataset(dataset: str, problem: str, seeds: list[int], *, parties: int, active: int, target: float,
-                epochs: float, baseline_epochs: float, eval_every: float, data_dir: str | None,
+                epochs: float, eval_every: float, data_dir: str | None,
                 runs: list[dict], cache: Path) -> list[dict]:
     """Final test accuracy of the three algorithms for each seed (rows of ``accuracy.csv``)."""
     gamma = gamma_for(dataset, "svrg", problem)
@@ -87,18 +105,23 @@ def run_dataset(dataset: str, problem: str, seeds: list[int], *, parties: int, a
         results.append({"dataset": dataset, "problem": problem, "algorithm": "NonF", "seed": seed,
                         "accuracy": ref.metric, "epochs": None, "suboptimality": 0.0,
                         "train_time": ref.seconds})
-        for label, algorithm, stop, cap in (("AFSVRG-VP", "afsvrg-vp", None, baseline_epochs),
-                                            ("VFB²-SVRG", "svrg", target, epochs)):
-            config = job_config(dataset, problem, algorithm, gamma, f_star=ref.f_star, parties=parties,
-                                active=active, seed=seed, epochs=cap, target_suboptimality=stop,
+        restricted = nonf(f"{dataset}|label-holders-{active}-of-{parties}", problem, 1e-4, seed,
+                          loader=functools.partial(label_holders_only, dataset, seed, parties, active,
+                                                   data_dir),
+                          cache=cache)
+        for label, algorithm, f_star in (("AFSVRG-VP", "afsvrg-vp", restricted.f_star),
+                                         ("VFB²-SVRG", "svrg", ref.f_star)):
+            config = job_config(dataset, problem, algorithm, gamma, f_star=f_star, parties=parties,
+                                active=active, seed=seed, epochs=epochs, target_suboptimality=target,
                                 eval_every=eval_every, data_dir=data_dir)
             job = run_job(config, f"{dataset}-{problem}-{algorithm}-seed{seed}")
             runs += job.rows()
             results.append({"dataset": dataset, "problem": problem, "algorithm": label, "seed": seed,
                             "accuracy": job.final["test_accuracy"], "epochs": job.epochs,
-                            "suboptimality": job.final["suboptimality"], "train_time": job.train_time})
+                            "suboptimality": job.final["suboptimality"], "train_time": job.train_time,
+                            "f_star": f_star, "full_suboptimality": job.final["loss"] - ref.f_star})
             say(f"{job.tag}: accuracy {job.final['test_accuracy']:.4f} (NonF {ref.metric:.4f}), "
-                f"gap {job.final['suboptimality']:.1e} after {job.epochs:g} epochs")
+                f"gap to its own f* {job.final['suboptimality']:.1e} after {job.epochs:g} epochs")
     return results
 
 
@@ -140,7 +163,7 @@ def tables(results: list[dict], columns: list[str], present: set[str]) -> str:
     return (markdown_table(header, acc_rows) + "\n**Difference to NonF** (accuracy points, same seed), and "
             "how far each federated run got:\n\n" + markdown_table(
                 ["Problem", "dataset", "algorithm", "Δ accuracy vs NonF (pts)", "max |Δ| (pts)",
-                 "final f − f*", "epochs", "training time (s)"], gap_rows))
+                 "final gap to its own f*", "epochs", "training time (s)"], gap_rows))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -170,7 +193,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for problem in problems:
             results += run_dataset(name, problem, seeds, parties=args.parties, active=args.parties // 2,
                                    target=1e-3 if quick else args.target, epochs=args.epochs,
-                                   baseline_epochs=2.0 if quick else 1.0, eval_every=0.5 if quick else 0.25,
+                                   eval_every=0.5 if quick else 0.25,
                                    data_dir=args.data_dir, runs=runs, cache=nonf_cache(args, out))
     write_rows(out / "runs.csv", runs)
     write_rows(out / "accuracy.csv", results)
@@ -180,7 +203,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                f"blocks frozen), B = 1, λ = 1e-4; VFB²-SVRG stops at f − f* ≤ "
                f"{1e-3 if quick else args.target:g} or {args.epochs:g} epochs (SVRG snapshot every "
                f"{0.5 if quick else 0.25:g} "
-               f"epoch), AFSVRG-VP runs {2 if quick else 1} epoch(s). 'paper' columns: the "
+               f"epoch); AFSVRG-VP the same against its own optimum f*_VP (NonF on the label holders' "
+               f"columns), so neither is cut short. 'paper' columns: the "
                f"paper's Table 2 (its D1 = our credit-card: same UCI data, our one-hot encoding to 90 "
                f"features and our 80/20 splits). Command: `{command_line(NAME, argv)}`.\n\n")
     (out / "table2.md").write_text(caption + tables(results, columns, present))

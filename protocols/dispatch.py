@@ -1,6 +1,6 @@
 """The backward-updating dispatcher: (ϑ, i) from a dominator to its collaborators, exactly once.
 
-This is the only label-dependent message of VFB² (spec 3.5): one float ϑ and one sample index i per
+This is the only label-dependent message of VFB²: one float ϑ and one sample index i per
 dominated update. A message is a small float64 buffer ``[seq, B, i_1..i_B, ϑ_1..ϑ_B]`` (B = 1 is the
 paper's case) sent with the capitalised buffer calls, never pickled. Indices and sequence numbers
 are exact in float64 up to 2**53.
@@ -9,7 +9,7 @@ Exactly-once: every dominator numbers its broadcasts 0, 1, 2, ... and sends each
 collaborator. MPI delivers messages between two ranks on one communicator in order, so a collaborator
 must see exactly the next number from each source: a repeat (duplicate, replay), a gap (lost message)
 or a number out of order is a protocol violation, raised loudly instead of silently biasing the
-iteration (spec 3.2). The per-source counts are also what the SVRG outer-loop barrier uses to drain
+iteration. The per-source counts are also what the SVRG outer-loop barrier uses to drain
 in-flight messages, so a dominator's ``DONE`` count is checked against them too (:meth:`Inbox.done`).
 
 Validation: a dominator is trusted only to follow the protocol, and its rows go straight into compiled

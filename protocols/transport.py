@@ -13,8 +13,8 @@ ranks and knows nothing of their meaning:
 :class:`MpiTransport` waits in one blocking ``Recv(ANY_SOURCE, tag)`` into a reused receive buffer of
 fixed capacity (64 KiB by default) and copies the message out. It never probes: with more ranks than
 cores, a thread waiting in ``Probe``/``Mprobe`` and then receiving measured 1-8 ms per round trip here, a
-plain blocking ``Recv`` tens of µs (``../shared/notes/mpi-on-this-machine.md``; the VFB² runtime's
-communication thread receives the same way). A message longer than the capacity goes as two: a 4-byte
+plain blocking ``Recv`` tens of µs (the VFB² runtime's communication thread receives the same way,
+``parties/runtime.py``). A message longer than the capacity goes as two: a 4-byte
 *frame* holding its length in words, on ``tag``, then the words themselves on ``tag + 1``, which the
 receiver takes with an exact-size blocking ``Recv`` from the frame's source. Every ordinary message is a
 whole number of 8-byte words, so a 4-byte message can only be a frame, and MPI keeps the messages from one

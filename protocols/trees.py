@@ -4,11 +4,11 @@ A secure aggregation towards a root party ``r`` sends every party's masked value
 ``T1`` and its mask ``δ_l`` up a second tree ``T2``; the root subtracts the two sums. Both trees are rooted
 at ``r`` (the party that needs the result), so a job needs one pair per possible root.
 
-Representation (spec 2.3): a tree on parties ``0..q-1`` is a tuple of parent pointers, ``parent[root] ==
+Representation: a tree on parties ``0..q-1`` is a tuple of parent pointers, ``parent[root] ==
 -1``. Every party keeps one accumulator holding its own value plus the sums its children forward, and
 forwards it to its parent once all children are in.
 
-Two checks decide whether a pair may be used (spec 2.4, 7.2):
+Two checks decide whether a pair may be used:
 
 * **Definition 4** ("significantly different", Gu et al. 2020a): no proper subtree of size > 1 of ``T1``
   has the same party set as one of ``T2``. *Decision*: a parent-pointer node folds its children in

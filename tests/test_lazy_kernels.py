@@ -25,7 +25,7 @@ import scipy.sparse as sp
 from vfl import kernels
 from vfl.algorithms.serial import run_serial
 from vfl.algorithms.vfb2 import Block, get_rule, saga_table_bytes
-from vfl.problems import get_problem
+from vfl.problems import REG_L2, REG_NONCONVEX, get_problem
 
 REGS = ["l2", "nonconvex", "none"]
 LAZY_RULES = ["sgd", "svrg", "saga-scalar"]
@@ -35,9 +35,9 @@ LAZY_RULES = ["sgd", "svrg", "saga-scalar"]
 
 
 def _old_reg_grad(kind, wj):
-    if kind == kernels.REG_L2:
+    if kind == REG_L2:
         return wj
-    if kind == kernels.REG_NONCONVEX:
+    if kind == REG_NONCONVEX:
         t = 1.0 + wj * wj
         return wj / (t * t)
     return 0.0
@@ -171,7 +171,7 @@ def test_lazy_equals_eager_in_serial_runs(algorithm, reg, batch_size, data):
 def _exact_dense_steps(w0, mu, g, gamma, lam, has_mu):
     w = w0
     for _ in range(g):
-        w = kernels._dense_step(w, mu, gamma, lam, kernels.REG_NONCONVEX, has_mu)
+        w = kernels._dense_step(w, mu, gamma, lam, REG_NONCONVEX, has_mu)
     return w
 
 

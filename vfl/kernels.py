@@ -37,9 +37,10 @@ import math
 import numpy as np
 from numba import njit
 
-#: Codes of the regularisers the kernels understand (see ``vfl.problems``): g(w) = ½‖w‖² → ∇g = w;
-#: g(w) = ½ Σ w²/(1+w²) → ∇g = w/(1+w²)².
-REG_NONE, REG_L2, REG_NONCONVEX = 0, 1, 2
+from vfl.problems import REG_L2, REG_NONCONVEX
+
+#: The regularisers the kernels understand, by their code in ``vfl.problems`` (declared there once):
+#: g(w) = ½‖w‖² → ∇g = w; g(w) = ½ Σ w²/(1+w²) → ∇g = w/(1+w²)².
 
 #: Codes of the lazy rules: which dense term a step has and what the ϑ is compared with.
 MODE_SGD, MODE_SVRG, MODE_SAGA_SCALAR = 0, 1, 2

@@ -1,4 +1,4 @@
-"""Evaluation metrics of the VFB² paper (spec ``vfb2.md`` §6.3): test accuracy and test RMSE.
+"""Evaluation metrics of the VFB² paper: test accuracy (classification) and test RMSE (regression).
 
 Both take ``(y_true, y_pred)`` as 1-D arrays of the same length and validate them, because they are the
 numbers reported to users: a silent NaN or a broadcast of mismatched shapes would be a wrong result.

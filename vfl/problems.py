@@ -1,4 +1,4 @@
-"""Losses, regularizers and the finite-sum problems of the VFB² paper (spec ``vfb2.md`` §1.3, §6.3).
+"""Losses, regularizers and the finite-sum problems of the VFB² paper (its problems (7) and (18)).
 
 A problem is ``f(w) = (1/n) Σ_i L(w·x_i, y_i) + λ Σ_l g(w_l)``. The paper puts the regularizer inside
 every ``f_i``; for the separable ``g`` used here that equals adding ``λ g(w)`` once, and the
@@ -142,10 +142,17 @@ class RobustLoss(Loss):
 # ---------------------------------------------------------------------------------------- regularizers
 
 
+#: Codes by which the numba kernels (``vfl.kernels``) tell the regularizers apart; each class below
+#: carries its own as ``kernel_code``, so a new regularizer is declared here only.
+REG_NONE, REG_L2, REG_NONCONVEX = 0, 1, 2
+
+
 class Regularizer(ABC):
     """A separable regularizer ``g``; applied to a block ``w_l`` or to all of ``w``. Unchecked."""
 
     name: str
+    #: this regularizer's code in the kernels (``REG_*``); ``None``: the kernels cannot apply it
+    kernel_code: int | None = None
     #: ``True`` when ``g`` is 1-strongly convex, so that ``λ g`` makes a convex loss λ-strongly convex.
     strongly_convex: bool
 
@@ -168,6 +175,7 @@ class L2(Regularizer):
 
     name: str = field(default="l2", init=False)
     strongly_convex: bool = field(default=True, init=False)
+    kernel_code: int = field(default=REG_L2, init=False)
 
     def value(self, w: FloatArray) -> float:
         return 0.5 * float(np.dot(w, w))
@@ -185,6 +193,7 @@ class NonconvexL2(Regularizer):
 
     name: str = field(default="nonconvex", init=False)
     strongly_convex: bool = field(default=False, init=False)
+    kernel_code: int = field(default=REG_NONCONVEX, init=False)
 
     def value(self, w: FloatArray) -> float:
         w2 = np.square(w)
@@ -204,6 +213,7 @@ class NoRegularizer(Regularizer):
 
     name: str = field(default="none", init=False)
     strongly_convex: bool = field(default=False, init=False)
+    kernel_code: int = field(default=REG_NONE, init=False)
 
     def value(self, w: FloatArray) -> float:
         return 0.0

@@ -1,9 +1,8 @@
 """The non-federated reference "NonF": the same problem solved centrally on the pooled data.
 
 Its two uses are the paper's losslessness comparison (test accuracy / RMSE of a federated model vs a
-model trained on all features in one place, spec §6.3, §7.1.6) and ``f*`` for sub-optimality curves
-``f(w_t) − f*`` (§7.1.8). The second makes precision matter: a curve is only meaningful down to the
-error of ``f*``.
+model trained on all features in one place) and ``f*`` for sub-optimality curves ``f(w_t) − f*``.
+The second makes precision matter: a curve is only meaningful down to the error of ``f*``.
 
 Method (decided here; the paper only says "trained centrally"):
 

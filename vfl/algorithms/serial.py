@@ -31,9 +31,9 @@ def run_serial(problem: Problem, X, y: np.ndarray, blocks: Sequence[np.ndarray],
 
     An epoch is n samples drawn uniformly with replacement, i.e. max(1, n // B) steps of B samples
     (``batch_size``); every step's B products are taken at the iterate before the step. SVRG takes a
-    snapshot at the start of every epoch (inner loop of one pass, the spec's default). Reads go
-    through ``rule.products`` and every barrier (snapshot, end of epoch) through ``rule.synchronize``,
-    so lazy (default) and eager (``lazy=False``) rules give the same iterates up to rounding.
+    snapshot at the start of every epoch (an inner loop of one pass). Reads go through
+    ``rule.products`` and every barrier (snapshot, end of epoch) through ``rule.synchronize``, so lazy
+    (default) and eager (``lazy=False``) rules give the same iterates up to rounding.
     """
     n = X.shape[0]
     rule_cls = get_rule(algorithm)

@@ -1,11 +1,11 @@
 """The VFB² update rules (Algorithms 2-7) as small strategies over one party's block.
 
 A rule needs the regulariser λ·g (public: it acts on the party's own block) but not the loss, which
-only active parties know (spec 1.2). A rule owns the party's *algorithm state* (SVRG: ϑ_0 and μ_l;
+only active parties know. A rule owns the party's *algorithm state* (SVRG: ϑ_0 and μ_l;
 SAGA: the gradient table) but not the model block ``w``, which the runtime shares between threads.
 Both the dominator (its own block update, Alg. 2/4/6) and the collaborators (Alg. 3/5/7) call the same
 :meth:`UpdateRule.apply`: the update of block l from (ϑ, i) is the same formula whoever computed ϑ
-(spec 3.2, "exact semantics").
+(the paper's backward updating: every party applies the same ϑ to its own block).
 
 Full passes: SVRG needs the n-vector ϑ_0 at every outer-loop snapshot (:meth:`UpdateRule.snapshot`),
 SAGA needs the n-vector of initial ϑ's once (:meth:`UpdateRule.initialize`). The runtime obtains it by
@@ -22,7 +22,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from vfl import kernels
-from vfl.problems import L2, NonconvexL2, NoRegularizer, Regularizer
+from vfl.problems import REG_NONE, Regularizer
 
 
 @dataclass(frozen=True)
@@ -55,14 +55,12 @@ class Block:
 
 
 def regularizer_code(reg: Regularizer, lam: float) -> int:
-    """The kernel code of a regulariser (``vfl.kernels.REG_*``)."""
-    if isinstance(reg, NoRegularizer) or lam == 0.0:
-        return kernels.REG_NONE
-    if isinstance(reg, NonconvexL2):
-        return kernels.REG_NONCONVEX
-    if isinstance(reg, L2):
-        return kernels.REG_L2
-    raise ValueError(f"no VFB² kernel for regulariser {type(reg).__name__}")
+    """The kernel code of a regulariser (declared with it in ``vfl.problems``); λ = 0 needs none."""
+    if lam == 0.0:
+        return REG_NONE
+    if reg.kernel_code is None:
+        raise ValueError(f"no VFB² kernel for regulariser {type(reg).__name__}")
+    return reg.kernel_code
 
 
 #: Default memory budget of the exact SAGA table (rule kwarg ``table_budget_bytes``).
@@ -277,7 +275,7 @@ class SAGARule(UpdateRule):
         """α̃_i = ϑ_i x_i^(l) + λ∇g(w_l^0) for every i (Alg. 6 step 2), and their mean; filled in place
         (no dense temporary besides the table itself)."""
         b = self.block
-        reg = self.lam * self.regularizer.gradient(w) if self.reg != kernels.REG_NONE else 0.0
+        reg = self.lam * self.regularizer.gradient(w) if self.reg != REG_NONE else 0.0
         self.table[:] = reg
         row_of = np.repeat(np.arange(b.n_rows), np.diff(b.indptr))
         self.table[row_of, b.indices] += np.asarray(theta_all, dtype=np.float64)[row_of] * b.data
