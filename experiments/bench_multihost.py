@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments._machine import cpu_model
 from experiments._plotting import colours, figure_legend, pyplot, save
 from experiments._vfb2_runner import markdown_table, say, write_rows
-from experiments.bench_update_cost import cpu_model
 from parties import netns
 from parties.config import RunConfig
 from parties.launch import launch, mpiexec_path, reference_f_star
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.epochs:g} epochs a job; {args.repeats} repeats, placements alternating; "
             f"median (min–max). "
             f"Ping-pong: {args.pingpong} round trips of one float64 each way after 50 warm-up trips. "
-            f"CPU: {cpu}, {os.cpu_count()} cores; 1-min load average {min(loads):.1f}–{max(loads):.1f} "
+            f"CPU: {cpu} (cores); 1-min load average {min(loads):.1f}–{max(loads):.1f} "
             f"during the runs. Command: `{command.strip()}`.\n\n{table}\n"
             f"Per-update time, namespaces / one host: **{ratio:.2f}×** (medians).\n")
     (OUT / "multihost.md").write_text(text)
