@@ -46,4 +46,4 @@ def test_readme_walkthrough_runs_as_written(tmp_path):
     accuracy = re.search(r"test_accuracy ([0-9.]+)", output)
     assert accuracy, output
     assert 0.9 <= float(accuracy.group(1)) <= 1.0
-    assert (tmp_path / "runs" / "mine" / "party-files" / "manifest.json").exists()   # trained on the converted
+    assert (tmp_path / "runs" / "mine" / "party-files" / "manifest.json").exists()   # converted once
