@@ -262,33 +262,82 @@ def run_main(setting: Setting, data: Data, model: TorchModel, results: Results,
     summary["main"] = {"chosen_lr": chosen, "finals": finals,
                        "diverged": {f"{label}|{lr}": final["diverged_at"] for label, by in tuned.items()
                                     for lr, (_, final) in by.items() if final["diverged_at"] is not None}}
-    plot_main(results.rows["main"], chosen, setting, summary["out"] / "main.png")
+    plot_main(results.rows["main"], chosen, main_title(setting.__dict__), setting.seeds,
+              summary["out"] / "main.png")
     return chosen[main_methods(setting)[0].label], "\n".join(md)
 
 
-def plot_main(rows: list[dict[str, Any]], chosen: dict[str, float], setting: Setting, path: Path) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+PANELS = (("train_accuracy", "train accuracy (%)"), ("test_accuracy", "test accuracy (%)"),
+          ("minority_test_accuracy", "minority-class test accuracy (%)"))
+
+
+def plot_main(rows: list[dict[str, Any]], chosen: dict[str, float], title: str, seeds: int,
+              path: Path) -> None:
+    """Each method at its chosen lr, mean over seeds: one colour per method on all panels, one legend."""
+    from experiments._plotting import colours, figure_legend, save
+
+    colour = colours(chosen)  # main_methods' order, fixed
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), layout="constrained")
     for label, lr in chosen.items():
-        mine = [r for r in rows if r["method"] == label and r["lr"] == lr]
-        rounds = sorted({r["model_rounds"] for r in mine})
-        for ax, key in zip(axes, ("train_accuracy", "test_accuracy", "minority_test_accuracy"), strict=True):
-            ax.plot(rounds, [statistics.mean(r[key] for r in mine if r["model_rounds"] == m) for m in rounds],
-                    label=f"{label}, lr={lr}")
-            ax.set_title(key.replace("_", " ") + f" (mean of {setting.seeds} seeds)")
-            ax.set_xlabel("communication rounds (I = 1: one per iteration)")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"{setting.dataset}-ST, K={setting.clients}, |b|={setting.batch}/client "
-                 f"(paper Fig. 1 design on a reduced scale)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        mine = [r for r in rows if r["method"] == label and float(r["lr"]) == float(lr)]
+        rounds = sorted({int(r["model_rounds"]) for r in mine})
+        for ax, (key, ylabel) in zip(axes, PANELS, strict=True):
+            means = [100 * statistics.mean(float(r[key]) for r in mine if int(r["model_rounds"]) == m)
+                     for m in rounds]
+            ax.plot(rounds, means, color=colour[label], label=f"{label}, lr={lr}")
+            ax.set(title=f"{ylabel.removesuffix(' (%)')} (mean of {seeds} seeds)", ylabel=ylabel,
+                   xlabel="communication rounds (I = 1: one per iteration)")
+    fig.suptitle(title, fontsize=9)
+    figure_legend(fig)
+    save(fig, path)
+
+
+def plot_period(rows: list[dict[str, Any]], path: Path) -> None:
+    """FedDRO's test accuracy per communication period I, one colour per I on both splits."""
+    from experiments._plotting import colours, figure_legend, save
+
+    periods = sorted({int(r["I"]) for r in rows})
+    colour = colours(periods)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.0), layout="constrained")
+    for ax, split in zip(axes, ("iid", "label-skew"), strict=True):
+        for period in periods:
+            mine = [r for r in rows if r["split"] == split and int(r["I"]) == period]
+            ax.plot([int(r["model_rounds"]) for r in mine], [100 * float(r["test_accuracy"]) for r in mine],
+                    marker=".", color=colour[period], label=f"I={period}")
+        ax.set(title=f"FedDRO test accuracy, {split} split", xlabel="model rounds",
+               ylabel="test accuracy (%)")
+    figure_legend(fig, title="communication period")
+    save(fig, path)
+
+
+def main_title(setting: dict[str, Any]) -> str:
+    return (f"{setting['dataset']}-ST, K={setting['clients']}, |b|={setting['batch']}/client "
+            f"(paper Fig. 1 design on a reduced scale)")
+
+
+def replot(out: Path) -> list[Path]:
+    """Redraw main.png and period.png from main.csv, period.csv and summary.json in ``out`` (no
+    training)."""
+    summary = json.loads((out / "summary.json").read_text())
+    written = []
+    for part in ("main", "period"):
+        if not (out / f"{part}.csv").exists():
+            continue
+        with open(out / f"{part}.csv", newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        if part == "main":
+            plot_main(rows, summary["main"]["chosen_lr"], main_title(summary["setting"]),
+                      summary["setting"]["seeds"], out / "main.png")
+        else:
+            plot_period(rows, out / "period.png")
+        written.append(out / f"{part}.png")
+    return written
 
 
 def run_period(setting: Setting, data: Data, model: TorchModel, lr: float, results: Results,
                summary: dict[str, Any]) -> str:
     rows = []
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, split in zip(axes, ("iid", "label-skew"), strict=True):
+    for split in ("iid", "label-skew"):
         fed = partition(data, setting.clients, split, 0)
         for period in setting.periods:
             method = Method(f"FedDRO I={period}", FedDRO(period, setting.beta), lambda: KLDRO(setting.lam))
@@ -299,14 +348,7 @@ def run_period(setting: Setting, data: Data, model: TorchModel, lr: float, resul
             rows.append([split, period, setting.period_rounds * period, f"{100 * last['train_accuracy']:.2f}",
                          f"{100 * last['test_accuracy']:.2f}", f"{100 * last['minority_test_accuracy']:.2f}",
                          f"{last['train_kl_dro']:.4f}", f"{final['uplink_bits_per_client_round']:,.0f}"])
-            ax.plot([r["model_rounds"] for r in records], [r["test_accuracy"] for r in records],
-                    marker=".", label=f"I={period}")
-        ax.set_title(f"FedDRO test accuracy, {split} split")
-        ax.set_xlabel("model rounds")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(summary["out"] / "period.png", dpi=110)
-    plt.close(fig)
+    plot_period(results.rows["period"], summary["out"] / "period.png")
     return table(["split", "I", "iterations", "train acc %", "test acc %", "minority test acc %",
                   "train KL-DRO obj.", "uplink bits / client / round"], rows)
 
@@ -358,7 +400,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
     parser.add_argument("--lr", type=float, default=None,
                         help="skip the tuning of the main part and use this lr everywhere")
+    parser.add_argument("--replot", action="store_true",
+                        help="only redraw main.png and period.png from the CSV files in --out (no training)")
     args = parser.parse_args(argv)
+    if args.replot:
+        print(f"redrew {', '.join(map(str, replot(args.out)))}")
+        return 0
     parts = [p for p in args.parts.split(",") if p]
     unknown = set(parts) - set(PARTS)
     if unknown:

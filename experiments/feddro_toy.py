@@ -49,17 +49,71 @@ def run(problem: AffineInnerProblem, alg: FedDRO, eta: float, x0: torch.Tensor,
     return [sim.model().tolist() for _ in range(iterations) if sim.step()["synced"]]
 
 
+#: method -> colour, the same on every panel (experiments/_plotting.py); the line style repeats the method
+COLOURS = {"FedAvg-CO Case I": "tab:orange", "FedAvg-CO Case II": "tab:red", "FedDRO (β=0.3)": "tab:blue"}
+STYLES = {"FedAvg-CO Case I": ":", "FedAvg-CO Case II": "--", "FedDRO (β=0.3)": "-"}
+
+
+def p1_paths(etas: Sequence[float]) -> dict[tuple[str, float], list[list[float]]]:
+    """x̄ after every model round of P1, per (method, η): deterministic, seconds to compute."""
+    x0 = torch.tensor([0.5], dtype=torch.float64)
+    return {(name, eta): run(p1_problem(), alg, eta, x0, int(200 / eta))
+            for eta in etas for name, alg in methods(2).items()}
+
+
+def plot_p1(paths: dict[tuple[str, float], list[list[float]]], out: Path) -> None:
+    """One panel per step size η, one colour per method on every panel, one legend."""
+    from experiments._plotting import figure_legend, save
+
+    etas = sorted({eta for _, eta in paths})
+    fig, axes = plt.subplots(1, len(etas), figsize=(4.2 * len(etas), 3.8), sharey=True, squeeze=False,
+                             layout="constrained")
+    for ax, eta in zip(axes[0], etas, strict=True):
+        for name in COLOURS:
+            path = paths.get((name, eta))
+            if path is not None:
+                ax.plot(range(1, len(path) + 1), [p[0] for p in path], STYLES[name], color=COLOURS[name],
+                        label=name)
+        ax.axhline(0.5, color="grey", lw=0.8, label="x̄ = 0.5")
+        ax.set(xscale="log", xlabel="model round (I = 2)", ylabel="x̄ after the round  (x* = 0)",
+               title=f"η = {eta}")
+    fig.suptitle("P1 (paper eq. 10): FedAvg-CO stays ≥ 0.5, FedDRO reaches x* = 0", fontsize=10)
+    figure_legend(fig)
+    save(fig, out, dpi=120)
+
+
+def replot(out: Path) -> Path:
+    """Redraw toy_p1.png. The x̄ paths are not stored (only the finals, in toy_results.json): they are
+    recomputed, and each must end where the committed run ended before anything is drawn."""
+    stored = json.loads((out / "toy_results.json").read_text())["p1"]
+    etas = sorted({float(key.split("|")[1]) for key in stored})
+    paths = p1_paths(etas)
+    for (name, eta), path in paths.items():
+        expected = stored[f"{name}|{eta}"]["final"]
+        if max(abs(a - b) for a, b in zip(path[-1], expected, strict=True)) > 1e-9:
+            raise ValueError(f"{name}, η={eta}: recomputed x̄ ends at {path[-1]}, toy_results.json says "
+                             f"{expected}")
+    plot_p1(paths, out / "toy_p1.png")
+    return out / "toy_p1.png"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="P1 at one step size, P2 at I = 2 only")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/feddro"))
+    parser.add_argument("--replot", action="store_true",
+                        help="only redraw toy_p1.png (recomputing the P1 paths, checked against "
+                             "toy_results.json)")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
+    if args.replot:
+        print(f"redrew {replot(args.out)}")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
 
     p1, p2 = p1_problem(), p2_problem()
     etas = (0.1,) if args.quick else P1_ETAS
-    p1_paths: dict[str, list[list[float]]] = {}
+    paths: dict[tuple[str, float], list[list[float]]] = {}
     rows = ["| problem | method | η | I | final x̄ | spec reference | ‖x̄ − x*‖ | ‖∇Φ(x̄)‖ |",
             "|---|---|---|---|---|---|---|---|"]
     results: dict[str, object] = {"p1": {}, "p2": {}}
@@ -67,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for eta in etas:
         for name, alg in methods(2).items():
             path = run(p1, alg, eta, x0, int(200 / eta))
-            p1_paths[f"{name}, η={eta}"] = path
+            paths[(name, eta)] = path
             final = torch.tensor(path[-1], dtype=torch.float64)
             case = name.split()[-1]
             ref = P1_REFERENCE.get((case, eta), 0.0)
@@ -89,19 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"({ref[0]:.5f}, {ref[1]:.5f}) | {distance:.2e} | "
                         f"{float(p2.grad_phi(final).norm()):.2e} |")
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, path in p1_paths.items():
-        style = "-" if "FedDRO" in label else ("--" if "Case II" in label else ":")
-        ax.plot(range(1, len(path) + 1), [p[0] for p in path], style, label=label)
-    ax.axhline(0.5, color="grey", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("model round (I = 2)")
-    ax.set_ylabel("x̄ after the round  (x* = 0)")
-    ax.set_title("P1 (paper eq. 10): FedAvg-CO stays ≥ 0.5, FedDRO reaches x* = 0")
-    ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(args.out / "toy_p1.png", dpi=120)
-    plt.close(fig)
+    plot_p1(paths, args.out / "toy_p1.png")
     (args.out / "toy_table.md").write_text("\n".join(rows) + "\n")
     (args.out / "toy_results.json").write_text(json.dumps(results, indent=2) + "\n")
     print("\n".join(rows))

@@ -52,6 +52,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from matplotlib.ticker import NullFormatter
 
 from protocols.compression import get_compressor
 from vfl.datasets import Dataset, load
@@ -371,33 +372,87 @@ def megabits(bits: float | None) -> str:
     return "not reached" if bits is None else f"{bits / 1e6:,.1f}"
 
 
-def plot_runs(ax_rows: Any, results: Sequence[RunResult], title: str) -> None:
-    """Three panels: train loss vs rounds, test accuracy vs rounds, test accuracy vs uplink bits."""
+#: the uncompressed baselines keep these colours in every figure; the other methods take the palette
+BASELINE_COLOURS = {"SCAFFOLD (32-bit)": "black", "FedAvg (32-bit)": "tab:gray"}
+
+
+def plot_runs(ax_rows: Any, results: Sequence[RunResult], title: str, colour: dict[str, str]) -> None:
+    """Three panels: train loss vs rounds, test accuracy vs rounds, test accuracy vs uplink bits;
+    ``colour``: label -> colour, the same on every panel of the figure."""
     loss_ax, acc_ax, bits_ax = ax_rows
     for result in results:
         evals = result.evaluations
-        if not evals:
-            continue
+        label = result.spec.label
+        if result.diverged_at is not None:  # named in the legend, even with no evaluation to draw
+            label += f" (diverged at round {result.diverged_at}{'' if evals else ', before any evaluation'})"
         rounds = [r["round"] for r in evals]
-        style = {"label": result.spec.label, "linestyle": "--" if result.spec.compressor is None else "-"}
+        accuracy = [100 * r["test_accuracy"] for r in evals]
+        style = {"label": label, "color": colour[result.spec.label],
+                 "linestyle": "--" if result.spec.compressor is None else "-"}
         loss_ax.plot(rounds, [r["train_loss"] for r in evals], **style)
-        acc_ax.plot(rounds, [r["test_accuracy"] for r in evals], **style)
-        bits_ax.plot([max(r["uplink_bits"], 1) for r in evals], [r["test_accuracy"] for r in evals], **style)
-    loss_ax.set(title=f"{title}: train loss", xlabel="round", yscale="log")
-    acc_ax.set(title=f"{title}: test accuracy", xlabel="round")
-    bits_ax.set(title=f"{title}: accuracy vs uplink", xlabel="cumulative uplink bits", xscale="log")
+        acc_ax.plot(rounds, accuracy, **style)
+        bits_ax.plot([max(r["uplink_bits"], 1) for r in evals], accuracy, **style)
+    loss_ax.set(title=f"{title}: train loss", xlabel="round", ylabel="train loss (log scale)", yscale="log")
+    acc_ax.set(title=f"{title}: test accuracy", xlabel="round", ylabel="test accuracy (%)")
+    bits_ax.set(title=f"{title}: accuracy vs uplink", xlabel="cumulative uplink bits (log scale)",
+                ylabel="test accuracy (%)", xscale="log")
+    bits_ax.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks overlap on a short decade
     for ax in ax_rows:
         ax.grid(alpha=0.3)
-    acc_ax.legend(fontsize=7)
 
 
 def save_figure(path: Path, groups: Sequence[tuple[str, Sequence[RunResult]]]) -> None:
-    fig, axes = plt.subplots(len(groups), 3, figsize=(15, 4 * len(groups)), squeeze=False)
+    """One row of panels per group; one colour per method across the whole figure, one legend."""
+    from experiments._plotting import colours, figure_legend, save
+
+    labels = [result.spec.label for _, results in groups for result in results]
+    colour = colours(labels, fixed={k: v for k, v in BASELINE_COLOURS.items() if k in labels})
+    fig, axes = plt.subplots(len(groups), 3, figsize=(15, 4 * len(groups) + 0.6), squeeze=False,
+                             layout="constrained")
     for row, (title, results) in zip(axes, groups, strict=True):
-        plot_runs(row, results, title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        plot_runs(row, results, title, colour)
+    figure_legend(fig)
+    save(fig, path)
+
+
+def save_figures(out: Path, groups: dict[str, list[RunSpec]], results: dict[str, RunResult]) -> list[Path]:
+    """fig2.png, fig3.png and fig4.png of the runs in ``results``."""
+    def curves(name: str) -> list[RunResult]:
+        return [results[s.key] for s in groups[name]]
+
+    figures = {"fig2.png": [("Fig 2 (FMNIST)", curves("fig2"))],
+               "fig3.png": [("Fig 3 (FMNIST)", curves("fig3"))],
+               "fig4.png": [("Fig 4 SCAFCOM Top-0.01, β", curves("fig4_beta")),
+                            ("Fig 4 SCALLION 2-bit, α", curves("fig4_alpha"))]}
+    for name, panels in figures.items():
+        save_figure(out / name, panels)
+    return [out / name for name in figures]
+
+
+def replot(out: Path) -> list[Path]:
+    """Redraw fig2-4 from the committed ``summary.csv``/``summary.json`` and ``metrics/`` (no training):
+    each run's curve is the metrics file of the (η_l, η_g) pair its summary row names."""
+    import csv
+
+    summary = json.loads((out / "summary.json").read_text())
+    groups = runs(bool(summary["quick"]))
+    specs = {spec.key: spec for group in groups.values() for spec in group}
+    with open(out / "summary.csv", newline="", encoding="utf-8") as handle:
+        rows = {row["run"]: row for row in csv.DictReader(handle)}
+    results = {}
+    for key, spec in specs.items():
+        lr_local, lr_global = float(rows[key]["lr_local"]), float(rows[key]["lr_global"])
+        stem = out / "metrics" / key
+        done = _with_suffix(stem, ".done.json")
+        meta = json.loads(done.read_text()) if done.exists() else {}
+        if (meta.get("lr_local"), meta.get("lr_global")) != (lr_local, lr_global):
+            stem = out / "metrics" / f"{key}_l{lr_local:g}_g{lr_global:g}"   # a fallback pair
+        result = _reload(_with_suffix(stem, ".jsonl"), spec, lr_local, lr_global, int(summary["rounds"]))
+        if result is None:
+            raise FileNotFoundError(f"{stem}.jsonl: no finished run of {key} at "
+                                    f"({lr_local:g}, {lr_global:g})")
+        results[key] = result
+    return save_figures(out, groups, results)
 
 
 def machine_note() -> str:
@@ -484,7 +539,12 @@ def runs(quick: bool) -> dict[str, list[RunSpec]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser(__doc__.splitlines()[0], "experiments/results/hfl_scafcom",
                          rounds=300, tune_rounds=50)
+    parser.add_argument("--replot", action="store_true",
+                        help="only redraw fig2-4 from summary.csv and metrics/ in --out (no training)")
     args = parser.parse_args(argv)
+    if args.replot:
+        print(f"redrew {', '.join(map(str, replot(args.out)))}")
+        return 0
     if args.quick:
         args.rounds, args.tune_rounds, args.eval_every = 10, 0, 5
     torch.set_num_threads(args.threads)
@@ -536,13 +596,7 @@ def write_report(args: argparse.Namespace, setting: Setting, groups: dict[str, l
                "seconds_total": seconds, "machine": machine_note()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
 
-    def curves(name: str) -> list[RunResult]:
-        return [results[s.key] for s in groups[name]]
-
-    save_figure(out / "fig2.png", [("Fig 2 (FMNIST)", curves("fig2"))])
-    save_figure(out / "fig3.png", [("Fig 3 (FMNIST)", curves("fig3"))])
-    save_figure(out / "fig4.png", [("Fig 4 SCAFCOM Top-0.01, β", curves("fig4_beta")),
-                                   ("Fig 4 SCALLION 2-bit, α", curves("fig4_alpha"))])
+    save_figures(out, groups, results)
     (out / "results.md").write_text(_markdown(args, setting, groups, results, summaries, target, headline,
                                               tuning_rows, seconds))
     return summary

@@ -124,13 +124,16 @@ def main(argv: list[str] | None = None) -> None:
         problem = get_problem("logistic", lam=1e-4)
         nonf = evaluate(problem, solve_reference(problem, ds.X_train, ds.y_train).w, ds.X_test, ds.y_test)
         for mode in args.modes:
-            work = Path(tempfile.mkdtemp(prefix="vfl-attack-"))
-            config = RunConfig(parties=4, active=1, dataset=dataset, algorithm=args.algorithm,
-                               epochs=args.epochs, audit=True, out=str(work), progress=False, **MODES[mode])
-            if launch(config, echo=False) != 0:
-                raise RuntimeError(f"{dataset}/{mode}: training failed")
-            last = json.loads((work / "metrics.jsonl").read_text().splitlines()[-1])
-            found = attack_all(work / "audit-1.npz", ds.y_train)
+            # the run's folder (checkpoints, the audit transcripts) is not a result: gone after the attack
+            with tempfile.TemporaryDirectory(prefix="vfl-attack-") as tmp:
+                work = Path(tmp)
+                config = RunConfig(parties=4, active=1, dataset=dataset, algorithm=args.algorithm,
+                                   epochs=args.epochs, audit=True, out=str(work), progress=False,
+                                   **MODES[mode])
+                if launch(config, echo=False) != 0:
+                    raise RuntimeError(f"{dataset}/{mode}: training failed")
+                last = json.loads((work / "metrics.jsonl").read_text().splitlines()[-1])
+                found = attack_all(work / "audit-1.npz", ds.y_train)
             best = max(found, key=lambda a: found[a]["accuracy"] if found[a]["coverage"] else -1)
             rows.append({"dataset": dataset, "mode": mode, "algorithm": args.algorithm, "party": 1,
                          "test_accuracy": last["test_accuracy"], "nonf_accuracy": nonf["accuracy"],

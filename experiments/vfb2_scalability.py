@@ -27,8 +27,12 @@ Outputs in ``experiments/results/vfb2_scalability/``: ``runs.csv``, ``scalabilit
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
+
 from experiments._vfb2_runner import (
     GAMMAS,
+    RESULTS,
     base_parser,
     command_line,
     job_config,
@@ -46,32 +50,40 @@ NAME = "vfb2_scalability"
 PROBLEM = "nonconvex-logistic"
 
 
+#: mode -> (label, colour, marker): the same line on both panels (experiments/_plotting.py)
+MODES = {"async": ("VFB²-SVRG (async)", "tab:blue", "o-"), "sync": ("VFB-SVRG (sync)", "tab:orange", "s--")}
+
+
 def plot(rows: list[dict], path) -> None:
-    import matplotlib
+    """Speedup and update rate against q, one line per mode in one colour on both panels, one legend."""
+    from experiments._plotting import figure_legend, pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.6))
-    qs = sorted({r["parties"] for r in rows})
-    for mode, style in (("async", "o-"), ("sync", "s--")):
-        mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["parties"])
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9.5, 4.0), layout="constrained")
+    qs = sorted({int(r["parties"]) for r in rows})
+    for mode, (label, colour, style) in MODES.items():
+        mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: int(r["parties"]))
         if not mine:
             continue
-        axes[0].plot([r["parties"] for r in mine], [r["speedup"] for r in mine], style,
-                     label=f"{'VFB²' if mode == 'async' else 'VFB'}-SVRG ({mode})")
-        axes[1].plot([r["parties"] for r in mine], [r["updates_per_s"] for r in mine], style, label=mode)
+        x = [int(r["parties"]) for r in mine]
+        axes[0].plot(x, [float(r["speedup"]) for r in mine], style, color=colour, label=label)
+        axes[1].plot(x, [float(r["updates_per_s"]) for r in mine], style, color=colour, label=label)
     axes[0].plot(qs, [q / qs[0] for q in qs], ":", color="grey", label="linear (ideal)")
     axes[0].axvline(2, color="tab:red", lw=0.8, alpha=0.5)
     axes[0].text(2.05, 0.1, "2 cores", color="tab:red", fontsize=8)
     axes[0].set(xlabel="q parties", ylabel=f"speedup vs q = {qs[0]}", title="q-parties speedup (m = 2)",
                 xticks=qs)
     axes[1].set(xlabel="q parties", ylabel="dominated updates / s", title="update rate", xticks=qs)
-    for ax in axes:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figure_legend(fig)
+    save(fig, path)
+
+
+def replot(out: Path) -> Path:
+    """Redraw ``fig2_speedup.png`` from the ``scalability.csv`` already in ``out`` (no training)."""
+    with open(out / "scalability.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    plot(rows, out / "fig2_speedup.png")
+    return out / "fig2_speedup.png"
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -80,7 +92,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="q values (default 2 4 8; quick 2 4, async only)")
     p.add_argument("--dataset", default=None, help="default a9a (quick: breast-cancer)")
     p.add_argument("--time-limit", type=float, default=None, help="cap per job in seconds (default 45)")
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw the figure from scalability.csv in the output folder (no training)")
     args = p.parse_args(argv)
+    if args.replot:
+        say(f"redrew {replot(args.out if args.out is not None else RESULTS / NAME)}")
+        return []
     out = output_dir(args, NAME)
     quick = args.quick
     dataset = get_spec(args.dataset or ("breast-cancer" if quick else "a9a")).name

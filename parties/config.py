@@ -202,6 +202,12 @@ def _validate_data(c: RunConfig) -> None:
         raise ConfigError(f"unknown --problem {c.problem!r}; choose one of {', '.join(sorted(PROBLEMS))}")
     if c.party_files is not None:
         folder = Path(c.party_files)
+        from vfl.datasets.csv_parties import is_csv_folder
+
+        if is_csv_folder(folder):
+            parties = csv_party_folder(str(folder), c.parties, c.active, PROBLEMS[c.problem].task)
+            _check_saga_table(c, parties[0].X_train.shape[0], max(p.n_features for p in parties))
+            return
         missing = [f"party-{p}.npz" for p in range(c.parties) if not (folder / f"party-{p}.npz").exists()]
         if missing:
             raise ConfigError(f"--party-files {folder}: missing {', '.join(missing)} "
@@ -235,6 +241,18 @@ def job_dataset(name: str, seed: int, data_dir: str | None):
     from vfl.datasets import load
 
     return load(name, seed=seed, data_dir=data_dir)
+
+
+@functools.lru_cache(maxsize=1)
+def csv_party_folder(folder: str, parties: int, active: int, task: str):
+    """A folder of ``party-<p>.csv`` files, loaded and checked once per launcher process (validation and
+    the conversion to binary party files share it; ``csv_party_folder.cache_clear()`` lets it go)."""
+    from vfl.datasets.csv_parties import load_csv_parties
+
+    try:
+        return load_csv_parties(folder, parties, active, task)
+    except ValueError as err:
+        raise ConfigError(f"--party-files {folder}: {err}") from None
 
 
 def _check_saga_table(c: RunConfig, n_rows: int, widest_block: int) -> None:
@@ -278,7 +296,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="m, active parties (ranks 0..m-1 hold the labels)")
     p.add_argument("--dataset", default=d.dataset, help="registered dataset name (see `vfl datasets`)")
     p.add_argument("--party-files", default=None,
-                   help="folder of per-party files from `vfl split` (real deployment; replaces --dataset)")
+                   help="folder of per-party files: from `vfl split`, or party-<p>.csv files (e.g. from "
+                        "`vfl align`), converted once into the run folder (replaces --dataset)")
     p.add_argument("--data-dir", default=None, help="dataset folder (default: $VFL_DATA_DIR, ../shared/data)")
     p.add_argument("--problem", default=d.problem,
                    help="logistic | nonconvex-logistic | least-squares | robust")

@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 from parties.checkpoint import MANIFEST, complete_epochs
-from parties.config import ConfigError, RunConfig, job_dataset, validate
+from parties.config import ConfigError, RunConfig, csv_party_folder, job_dataset, validate
 from parties.outcomes import EXIT_CODES, divergence_advice
+from vfl.datasets.csv_parties import is_csv_folder
 from vfl.problems import get_problem
 
 # ------------------------------------------------------------------------------------------ launcher
@@ -65,6 +66,23 @@ def write_party_files(config: RunConfig, out: Path) -> None:
     config.party_files = str(folder)
 
 
+def convert_csv_party_files(config: RunConfig, out: Path) -> None:
+    """Turn a ``--party-files`` folder of ``party-<p>.csv`` files into binary party files in
+    ``<out>/party-files`` (validated already, by :func:`parties.config.validate`), and train on those."""
+    from vfl.datasets.csv_parties import csv_parties_to_party_files
+    from vfl.problems import PROBLEMS
+
+    source = Path(config.party_files)
+    parties = csv_party_folder(str(source), config.parties, config.active, PROBLEMS[config.problem].task)
+    folder = out / "party-files"
+    try:
+        csv_parties_to_party_files(parties, config.active, folder, name=source.resolve().name)
+    except OSError as err:
+        raise ConfigError(f"--out {out}: cannot write the converted party files ({err.strerror})") from None
+    csv_party_folder.cache_clear()
+    config.party_files = str(folder)
+
+
 def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None, echo: bool = True) -> int:
     """Validate, prepare and run a job under ``mpiexec``; returns the exit code (:data:`EXIT_CODES`).
 
@@ -87,6 +105,8 @@ def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None, echo: 
         raise ConfigError(f"--out {out}: cannot write there ({err.strerror})") from None
     if config.party_files is None:
         write_party_files(config, out)
+    elif is_csv_folder(config.party_files):
+        convert_csv_party_files(config, out)
     if config.secure_channels:
         pin_channel_keys(config)
     config_path.write_text(config.to_json() + "\n")

@@ -32,6 +32,7 @@ def test_logistic_regression_fits_to_the_nonf_optimum_and_scores(tmp_path):
     assert [b.size for b in model.coef_blocks_] == [c.size for c in model.columns_]
     assert sorted(np.concatenate(model.columns_)) == list(range(30))
     assert model.history_[-1]["epoch"] == 8
+    assert model.run_dir_ == tmp_path / "run" and (model.run_dir_ / "metrics.jsonl").exists()   # asked for
 
 
 def test_linear_regression_and_the_scikit_learn_protocol(tmp_path):

@@ -6,10 +6,12 @@ The audit records every communicator, so the full-pass ϑ₀ on the control plan
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-from experiments.label_attacks import Transcript, attack_all
+from experiments.label_attacks import Transcript, attack_all, main
 from parties.runtime import AUDIT_CONTROL_WORD, AUDIT_CTRL_AGGREGATION, AUDIT_FULL_THETA, TAG_THETA
 from tests.test_runtime import CANCER, train
 from vfl.datasets import load
@@ -40,3 +42,16 @@ def test_a_passive_party_recovers_the_labels_of_plain_vfb2(plain_svrg):
         assert found["full_theta"]["accuracy"] > found["full_theta"]["majority"] + 0.3
     # the leader itself holds the labels; its transcript has no ϑ from anyone
     assert np.isnan(attack_all(plain_svrg / "audit-0.npz", y)["theta_sign"]["accuracy"])
+
+
+def test_the_experiment_leaves_no_run_folder_behind(tmp_path, monkeypatch):
+    """Its runs' folders (checkpoints, transcripts) are scratch: only the results stay, in --out."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(scratch))
+    out = tmp_path / "results"
+    main(["--datasets", "breast-cancer", "--modes", "plain", "--epochs", "1", "--out", str(out)])
+    assert list(scratch.iterdir()) == []
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert row["mode"] == "plain" and row["full_theta_accuracy"] == 1.0   # the attack ran on a real run
+    assert (out / "privacy_utility.png").exists()

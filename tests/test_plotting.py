@@ -168,3 +168,71 @@ def test_vfb2_lr_sweep_one_colour_per_step_size(tmp_path, saved_figures):
     (tmp_path / "sweep.csv").write_text((committed / "sweep.csv").read_text())
     assert len(sweep.replot(tmp_path)) == 3
     _check_conventions(saved_figures)
+
+
+COMMITTED = Path(__file__).resolve().parents[1] / "experiments" / "results"
+
+
+def _lines(fig, label: str) -> list:
+    return [line for ax in fig.axes for line in ax.get_lines() if line.get_label() == label]
+
+
+def test_vfb2_scalability_replot_one_colour_per_mode(tmp_path, saved_figures):
+    scalability = pytest.importorskip("experiments.vfb2_scalability")
+    committed = COMMITTED / "vfb2_scalability" / "scalability.csv"
+    (tmp_path / "scalability.csv").write_text(committed.read_text())
+    scalability.replot(tmp_path)
+    _check_conventions(saved_figures)
+    (fig,) = saved_figures
+    asynchronous = _lines(fig, "VFB²-SVRG (async)")
+    assert len(asynchronous) == 2   # speedup and update rate: the same label, the same colour
+    with open(tmp_path / "scalability.csv", newline="") as handle:
+        rate = [float(r["updates_per_s"]) for r in csv.DictReader(handle) if r["mode"] == "async"]
+    assert list(asynchronous[1].get_ydata()) == pytest.approx(rate)
+
+
+def test_feddro_replot_from_committed_results(tmp_path, saved_figures):
+    feddro = pytest.importorskip("experiments.feddro_fmnist")   # needs torch
+    for name in ("main.csv", "period.csv", "summary.json"):
+        (tmp_path / name).write_text((COMMITTED / "feddro" / name).read_text())
+    assert [p.name for p in feddro.replot(tmp_path)] == ["main.png", "period.png"]
+    _check_conventions(saved_figures)
+    main_fig, period_fig = saved_figures
+    # the line labelled FedDRO ends, on the test panel, at FedDRO's mean final test accuracy in main.csv
+    with open(tmp_path / "main.csv", newline="") as handle:
+        rows = [r for r in csv.DictReader(handle) if r["method"].startswith("FedDRO") and r["lr"] == "0.01"]
+    last = max(int(r["model_rounds"]) for r in rows)
+    final = [float(r["test_accuracy"]) for r in rows if int(r["model_rounds"]) == last]
+    (feddro_test,) = [line for line in main_fig.axes[1].get_lines() if line.get_label().startswith("FedDRO")]
+    assert feddro_test.get_ydata()[-1] == pytest.approx(100 * sum(final) / len(final))
+    assert len(_colours_by_label(period_fig)) == 6   # one colour per period I, on both splits
+
+
+def test_feddro_toy_p1_one_panel_per_step_size_and_the_committed_finals(tmp_path, saved_figures):
+    toy = pytest.importorskip("experiments.feddro_toy")   # needs torch
+    paths = toy.p1_paths((0.1,))
+    stored = json.loads((COMMITTED / "feddro" / "toy_results.json").read_text())["p1"]
+    for (name, eta), path in paths.items():
+        assert path[-1] == pytest.approx(stored[f"{name}|{eta}"]["final"], abs=1e-9)
+    toy.plot_p1(paths, tmp_path / "toy_p1.png")
+    _check_conventions(saved_figures)
+    assert set(_colours_by_label(saved_figures[0])) == {*toy.COLOURS, "x̄ = 0.5"}
+
+
+def test_hfl_scafcom_replot_fixed_colours_and_diverged_runs_named(tmp_path, saved_figures):
+    import shutil
+
+    scafcom = pytest.importorskip("experiments.hfl_scafcom")   # needs torch
+    source = COMMITTED / "hfl_scafcom"
+    for name in ("summary.csv", "summary.json"):
+        shutil.copy(source / name, tmp_path / name)
+    shutil.copytree(source / "metrics", tmp_path / "metrics")
+    assert [p.name for p in scafcom.replot(tmp_path)] == ["fig2.png", "fig3.png", "fig4.png"]
+    _check_conventions(saved_figures)
+    fig2, fig3, fig4 = saved_figures
+    for fig in (fig2, fig3):   # the baseline has one colour in every figure
+        assert _colours_by_label(fig)["SCAFFOLD (32-bit)"] == {"#000000"}
+    legend = [t.get_text() for t in fig4.legends[0].get_texts()]
+    assert "SCALLION 2-bit α=1 (diverged at round 7, before any evaluation)" in legend
+    colours = [next(iter(c)) for c in _colours_by_label(fig4).values()]
+    assert len(set(colours)) == len(colours) == 9   # β and α runs: no two lines share a colour

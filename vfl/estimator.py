@@ -50,18 +50,31 @@ class _VerticalEstimator(BaseEstimator):
     # ------------------------------------------------------------------------------------------ fit
 
     def fit(self, X, y=None):
-        """Train over MPI parties on ``X, y`` (simulated split) or on a folder of party files."""
-        work = Path(self.out) if self.out is not None else Path(tempfile.mkdtemp(prefix="vfl-fit-"))
+        """Train over MPI parties on ``X, y`` (simulated split) or on a folder of party files
+        (``vfl split``'s, or ``party-<p>.csv`` files).
+
+        The run's files (party files, checkpoints, metrics) go to ``out`` when given, and ``run_dir_``
+        names that run; otherwise to a temporary folder, removed before ``fit`` returns (``run_dir_`` is
+        then None): what the model needs is kept in memory.
+        """
+        if isinstance(X, str | Path) and y is not None:
+            raise ValueError("with a folder of party files, the labels are in the active parties' "
+                             "files: pass y=None")
+        if self.out is not None:
+            self._fit_in(Path(self.out), X, y)
+            return self
+        with tempfile.TemporaryDirectory(prefix="vfl-fit-") as work:
+            self._fit_in(Path(work), X, y)
+        self.run_dir_ = None
+        return self
+
+    def _fit_in(self, work: Path, X, y) -> None:
         if isinstance(X, str | Path):
-            if y is not None:
-                raise ValueError("with a folder of party files, the labels are in the active parties' "
-                                 "files: pass y=None")
             folder = Path(X)
             self._encode_from_files()
         else:
             folder = self._split(X, y, work / "parties")
         self._train(folder, work / "run")
-        return self
 
     def _split(self, X, y, folder: Path) -> Path:
         from vfl.datasets import Dataset, split_to_party_files
@@ -92,6 +105,7 @@ class _VerticalEstimator(BaseEstimator):
         if code != EXIT_CODES["ok"]:
             reason = next((k for k, v in EXIT_CODES.items() if v == code), "failed")
             raise RuntimeError(f"VFB² training {reason} (exit code {code}); the message above says why")
+        folder = Path(config.party_files)  # the files trained on (a CSV folder's converted copy)
         blocks, columns = [], []
         for p in range(self.parties):
             with np.load(run / f"party-{p}.ckpt.npz") as z:

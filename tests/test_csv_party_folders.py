@@ -1,0 +1,89 @@
+"""``--party-files`` with a folder of ``party-<p>.csv`` files: validated and converted once, before
+``mpiexec``, into binary party files in the run folder, which training then reads (issue 17)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sklearn.datasets import load_breast_cancer
+
+from vfl import VerticalLogisticRegression
+from vfl.cli import main
+from vfl.datasets import load_party_file
+from vfl.datasets.csv_parties import csv_parties_to_party_files, load_csv_parties
+
+ACTIVE = "id,age,income,label,split\n10,1.5,2,1,train\n11,2.5,3,0,train\n12,3.5,4,1,test\n13,0.5,1,0,train\n"
+PASSIVE = "id,visits,split\n10,7,train\n11,8,train\n12,9,test\n13,6,train\n"
+TRAIN = ["-n", "2", "-m", "1", "--allow-two-parties", "--epochs", "1"]
+
+
+def write_folder(folder, *texts: str):
+    folder.mkdir(parents=True, exist_ok=True)
+    for p, text in enumerate(texts):
+        (folder / f"party-{p}.csv").write_text(text)
+    return folder
+
+
+def test_a_csv_folder_becomes_binary_party_files_with_the_same_rows(tmp_path):
+    folder = write_folder(tmp_path / "csv", ACTIVE, PASSIVE)
+    parties = load_csv_parties(folder, 2, 1, "binary")
+    paths = csv_parties_to_party_files(parties, 1, tmp_path / "bin", name="csv")
+    active, passive = (load_party_file(path) for path in paths)
+    assert active.has_labels and not passive.has_labels
+    np.testing.assert_array_equal(active.train_ids, [10, 11, 13])
+    np.testing.assert_array_equal(passive.test_ids, [12])
+    np.testing.assert_array_equal(active.y_train, [1.0, -1.0, -1.0])        # 0/1 labels become ±1
+    np.testing.assert_array_equal(active.X_train, [[1.5, 2], [2.5, 3], [0.5, 1]])
+    np.testing.assert_array_equal(passive.X_test, [[9]])
+    assert active.columns.tolist() == [0, 1] and passive.columns.tolist() == [2]
+    assert active.feature_names == ("age", "income") and passive.feature_names == ("visits",)
+
+
+@pytest.mark.parametrize("texts, fragments", [
+    ((ACTIVE, PASSIVE.replace("11,8,", "11,nan,")), ["party-1.csv, line 3", "nan"]),
+    ((ACTIVE, PASSIVE.replace("id,visits,split", "id,visits,label,split").replace(",train", ",1,train")
+      .replace(",test", ",0,test")), ["party-1.csv", "contains labels", "passive"]),
+    ((PASSIVE, PASSIVE), ["party-0.csv", "no labels"]),
+    ((ACTIVE, PASSIVE.replace("11,8", "14,8")), ["not aligned", "id 11", "id 14"]),
+    ((ACTIVE, PASSIVE.replace(",split", "").replace(",train", "").replace(",test", "")),
+     ["party-0.csv has test rows", "party-1.csv has none"]),
+    ((ACTIVE, "id,visits,split\n"), ["party-1.csv: no training rows"]),
+    ((ACTIVE, "id,split\n10,train\n11,train\n12,test\n13,train\n"), ["party-1.csv: no feature columns"]),
+    ((ACTIVE,), ["missing party-1.csv"]),
+])
+def test_bad_csv_folders_are_one_line_errors_before_mpiexec(tmp_path, capsys, texts, fragments):
+    folder = write_folder(tmp_path / "csv", *texts)
+    run = tmp_path / "run"
+    assert main(["train", "--party-files", str(folder), *TRAIN, "--out", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"vfl train: error: --party-files {folder}")
+    for fragment in fragments:
+        assert fragment in err
+    assert not run.exists()   # refused before any folder was made or any rank started
+
+
+@pytest.mark.mpi
+def test_the_estimator_trains_on_a_csv_folder_and_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    """Any shape: three parties of 7, 11 and 12 columns of breast-cancer, rows in file order."""
+    X, y = load_breast_cancer(return_X_y=True)
+    X = (X - X.mean(axis=0)) / X.std(axis=0)
+    ids = np.arange(1000, 1000 + X.shape[0])
+    split = np.where(ids % 5 == 0, "test", "train")
+    folder = tmp_path / "csv"
+    folder.mkdir()
+    for p, (a, b) in enumerate(((0, 7), (7, 18), (18, 30))):
+        header = ["id", *(f"f{j}" for j in range(a, b)), *(["label"] if p == 0 else []), "split"]
+        lines = [",".join(header)]
+        for k in range(X.shape[0]):
+            label = [str(y[k])] if p == 0 else []
+            lines.append(",".join([str(ids[k]), *(f"{v:.6g}" for v in X[k, a:b]), *label, split[k]]))
+        (folder / f"party-{p}.csv").write_text("\n".join(lines) + "\n")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(scratch))
+    model = VerticalLogisticRegression(parties=3, active=1, lam=1e-2, epochs=4).fit(folder)
+    assert [w.size for w in model.coef_blocks_] == [7, 11, 12]
+    test = split == "test"
+    assert model.score(X[test], np.where(y[test] == 1, 1.0, -1.0)) > 0.9
+    assert model.history_[-1]["test_accuracy"] > 0.9
+    assert model.run_dir_ is None and list(scratch.iterdir()) == []   # nobody asked to keep the run
