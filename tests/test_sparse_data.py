@@ -158,11 +158,15 @@ def test_split_parse_errors_name_file_and_line(tmp_path: Path, text: str, messag
     assert __import__("re").search(message, err), err
 
 
-def _peak_rss_of_split(svm: Path, out: Path, chunk_bytes: int) -> int:
-    """Peak RSS (bytes) of a fresh process splitting ``svm`` into 4 party folders."""
-    code = (f"import resource; from vfl.datasets.stream_split import split_libsvm_file; "
-            f"split_libsvm_file({str(svm)!r}, 4, [0], {str(out)!r}, chunk_bytes={chunk_bytes}); "
-            f"print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+def _rss_growth_of_split(small: Path, big: Path, out: Path, chunk_bytes: int) -> int:
+    """How much (bytes) a fresh process's peak RSS grows when it splits ``big``, after it has split
+    ``small`` (same imports, same code paths warmed up) into 4 party folders."""
+    code = (f"import resource; from vfl.datasets.stream_split import split_libsvm_file as split; "
+            f"peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+            f"split({str(small)!r}, 4, [0], {str(out / 'small')!r}, chunk_bytes={chunk_bytes}); "
+            f"before = peak(); "
+            f"split({str(big)!r}, 4, [0], {str(out / 'big')!r}, chunk_bytes={chunk_bytes}); "
+            f"print(peak() - before)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
                                "OPENBLAS_NUM_THREADS": "1"}, timeout=300, check=False)
@@ -172,8 +176,8 @@ def _peak_rss_of_split(svm: Path, out: Path, chunk_bytes: int) -> int:
 
 def test_split_of_a_file_larger_than_the_memory_cap_stays_bounded(tmp_path: Path) -> None:
     """A file of 1.5M nonzeros (18 MB decoded as CSR) is split by a process whose peak RSS grows by
-    less than a third of that over the same process splitting a 40-row file: memory follows the
-    chunk (256 KiB of text), not the file. Loading the file whole would grow it by more than 18 MB."""
+    less than a third of that over what splitting a 40-row file took: memory follows the chunk
+    (256 KiB of text), not the file. Loading the file whole would grow it by more than 18 MB."""
     rng = np.random.default_rng(0)
     lines = []
     for i in range(400):
@@ -187,13 +191,12 @@ def test_split_of_a_file_larger_than_the_memory_cap_stays_bounded(tmp_path: Path
             f.write(block)
     small.write_bytes(("\n".join(lines[:40]) + "\n").encode())
     decoded = 1_500_000 * (8 + 4)  # a float64 value and an int32 index per nonzero
-    baseline = _peak_rss_of_split(small, tmp_path / "small-out", 1 << 18)
-    peak = _peak_rss_of_split(big, tmp_path / "big-out", 1 << 18)
-    assert peak - baseline < decoded / 3, (f"peak RSS grew by {(peak - baseline) / 2**20:.1f} MiB for a file "
-                                           f"of {decoded / 2**20:.1f} MiB decoded")
-    manifest = read_manifest(tmp_path / "big-out")
+    growth = _rss_growth_of_split(small, big, tmp_path, 1 << 18)
+    assert growth < decoded / 3, (f"peak RSS grew by {growth / 2**20:.1f} MiB for a file of "
+                                  f"{decoded / 2**20:.1f} MiB decoded")
+    manifest = read_manifest(tmp_path / "big")
     assert manifest.n_train + manifest.n_test == 10_000 and manifest.n_features == 50_000
-    nnz = sum(json.loads((tmp_path / "big-out" / f"party-{p}" / "party.json").read_text())[s]["nnz"]
+    nnz = sum(json.loads((tmp_path / "big" / f"party-{p}" / "party.json").read_text())[s]["nnz"]
               for p in range(4) for s in ("train", "test"))
     assert nnz == 1_500_000
 
