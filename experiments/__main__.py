@@ -19,6 +19,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "psi": ("experiments.bench_psi", "vfl align PSI: time and bytes at 10k-1M ids (issue 17)"),
     "compression": ("experiments.bench_compression", "compressor round-trip cost and payload sizes"),
     "update_cost": ("experiments.bench_update_cost", "time per update vs block width: lazy vs eager kernels"),
+    "webspam_shape": ("experiments.bench_webspam_shape",
+                      "webspam's 16.6M features (rows reduced) vs 10k: time per epoch, peak RSS per rank"),
     "workers": ("experiments.bench_workers", "k = 1 vs k = 2 worker threads on one shared block (issue 4)"),
     "hfl_quick": ("experiments.hfl_quick", "horizontal FL smoke run on Fashion-MNIST + round timing"),
     "hfl_scafcom": ("experiments.hfl_scafcom",
