@@ -16,7 +16,7 @@ from vfl.datasets.base import Dataset, DatasetSpec
 from vfl.datasets.libsvm import libsvm_loader, standin_loader
 from vfl.datasets.paths import DatasetNotFoundError, candidate_paths, find_file
 from vfl.datasets.synth import SHAPES as STANDIN_SHAPES
-from vfl.datasets.synth import standin_file_name
+from vfl.datasets.synth import read_sidecar, standin_file_name
 from vfl.datasets.validation import DataValidationError
 
 SYSTEM_DATASET_DIRS = (Path("/usr/share/datasets"),)
@@ -152,9 +152,18 @@ def list_datasets(data_dir: str | os.PathLike[str] | None = None) -> list[Datase
                            if p.is_file()), None) for name in spec.files]
             if all(found):
                 where = str(found[0].parent)
+                if spec.loader is standin_loader:  # a stand-in has the rows it was written with
+                    rows = _standin_rows(found[0], rows)
         infos.append(DatasetInfo(spec.name, spec.aliases, spec.task, (rows, spec.n_features), spec.split,
                                  spec.files, where is not None, where, spec.description))
     return infos
+
+
+def _standin_rows(path: Path, default: int) -> int:
+    try:
+        return int(read_sidecar(path)["n_rows"])
+    except DataValidationError:
+        return default
 
 
 def load(name: str, seed: int = 0, data_dir: str | os.PathLike[str] | None = None) -> Dataset:
