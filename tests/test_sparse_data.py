@@ -260,6 +260,10 @@ def test_find_party_file_prefers_the_folder_and_names_what_is_missing(tmp_path: 
         find_party_file(tmp_path, 2)
     with pytest.raises(DataValidationError, match=r"without party\.json"):
         load_party_file(tmp_path)
+    assert vfl(["split", "breast-cancer", "-n", "2", "--out", str(tmp_path / "cli")]) == 0
+    assert find_party_file(tmp_path / "cli", 0).is_dir()  # vfl split writes folders by default
+    assert vfl(["split", "breast-cancer", "-n", "2", "--out", str(tmp_path / "old"), "--format", "npz"]) == 0
+    assert find_party_file(tmp_path / "old", 0).name == "party-0.npz"
 
 
 def test_a_tampered_folder_is_refused_before_any_kernel_reads_it(tmp_path: Path) -> None:
