@@ -281,6 +281,10 @@ def test_a_tampered_folder_is_refused_before_any_kernel_reads_it(tmp_path: Path)
     (folder / "train" / "indices.npy").unlink()
     with pytest.raises(DataValidationError, match=r"missing train/indices\.npy"):
         load_party_file(folder)
+    meta = json.loads((folder / "party.json").read_text())
+    (folder / "party.json").write_text(json.dumps({**meta, "train": {"kind": "csr", "rows": "many"}}))
+    with pytest.raises(DataValidationError, match="not a vfl party folder"):
+        load_party_file(folder)
 
 
 # ------------------------------------------------------------------------------- end to end

@@ -138,12 +138,15 @@ def read_party_folder(folder: Path) -> dict:
         if meta.get("format") != FOLDER_FORMAT:
             raise DataValidationError(f"{folder}: format {meta.get('format')!r}, expected {FOLDER_FORMAT!r}")
         n_cols, entries = int(meta["n_features"]), {s: meta[s] for s in SPLITS}
+        for split, entry in entries.items():
+            if entry.get("kind") not in ("csr", "dense") or int(entry["rows"]) < 0:
+                raise ValueError(f"{split}: kind {entry.get('kind')!r}, rows {entry['rows']!r}")
         task, has_labels = str(meta["task"]), bool(meta["has_labels"])
         fields = {"task": task, "dataset": str(meta["dataset"]), "party": int(meta["party"]),
                   "n_features_total": int(meta["n_features_total"])}
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        if isinstance(error, DataValidationError):
-            raise
+    except DataValidationError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise DataValidationError(f"{folder}: not a vfl party folder ({error!r})") from None
     columns = np.asarray(_load(folder, "columns", (np.int64,)))
     for split in SPLITS:
