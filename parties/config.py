@@ -201,6 +201,8 @@ def _validate_data(c: RunConfig) -> None:
     if c.problem not in PROBLEMS:
         raise ConfigError(f"unknown --problem {c.problem!r}; choose one of {', '.join(sorted(PROBLEMS))}")
     if c.party_files is not None:
+        from vfl.datasets.party_files import find_party_file
+
         folder = Path(c.party_files)
         from vfl.datasets.csv_parties import is_csv_folder
 
@@ -208,16 +210,25 @@ def _validate_data(c: RunConfig) -> None:
             parties = csv_party_folder(str(folder), c.parties, c.active, PROBLEMS[c.problem].task)
             _check_saga_table(c, parties[0].X_train.shape[0], max(p.n_features for p in parties))
             return
-        missing = [f"party-{p}.npz" for p in range(c.parties) if not (folder / f"party-{p}.npz").exists()]
+        missing = []
+        for p in range(c.parties):
+            try:
+                find_party_file(folder, p)
+            except FileNotFoundError:
+                missing.append(f"party-{p}/")
         if missing:
-            raise ConfigError(f"--party-files {folder}: missing {', '.join(missing)} "
+            raise ConfigError(f"--party-files {folder}: missing {', '.join(missing)} (or .npz) "
                               f"(write them with `vfl split`)")
         _check_party_files(c, folder)
         return
     from vfl.datasets import DatasetNotFoundError, get_spec
+    from vfl.datasets.registry import resolve_name
 
     try:
+        c.dataset = resolve_name(c.dataset, c.data_dir)  # news20 -> news20-standin without the real file
         spec = get_spec(c.dataset)
+    except DatasetNotFoundError as err:
+        raise ConfigError(str(err)) from None
     except ValueError as err:
         raise ConfigError(str(err)) from None
     want = PROBLEMS[c.problem].task
@@ -273,12 +284,12 @@ def _check_party_files(c: RunConfig, folder: Path) -> None:
     Checked here, before ``mpiexec``, when the files are all on this machine; each rank checks again
     (the ids by digest) in a deployment across hosts.
     """
-    from vfl.datasets.party_files import check_aligned, load_party_file
+    from vfl.datasets.party_files import check_aligned, find_party_file, load_party_file
     from vfl.problems import PROBLEMS
 
     task = PROBLEMS[c.problem].task
     try:
-        parties = [load_party_file(folder / f"party-{p}.npz", expect_labels=p < c.active, task=task)
+        parties = [load_party_file(find_party_file(folder, p), expect_labels=p < c.active, task=task)
                    for p in range(c.parties)]
         check_aligned(parties)
     except ValueError as err:

@@ -51,7 +51,8 @@ def write_party_files(config: RunConfig, out: Path) -> None:
     """Give each party its own file of a named dataset, so every rank reads only its own block.
 
     A simulation on one machine then runs exactly like a deployment: no rank ever loads the whole
-    dataset (it would hold q copies of it at once), and the launcher loads it once for all.
+    dataset (it would hold q copies of it at once), and the launcher loads it once for all. The
+    folders are the memory-mappable layout: a rank maps its block instead of inflating a copy.
     """
     from vfl.datasets import split_to_party_files
     from vfl.partition import random_blocks
@@ -61,7 +62,7 @@ def write_party_files(config: RunConfig, out: Path) -> None:
         ds = job_dataset(config.dataset, config.seed, config.data_dir)
         blocks = random_blocks(ds.n_features, config.parties, seed=config.seed)
         split_to_party_files(ds, blocks, list(range(config.active)), folder, partition_seed=config.seed,
-                             overwrite=True)
+                             overwrite=True, layout="folder")
     job_dataset.cache_clear()  # the launcher only waits from now on: let the data go
     config.party_files = str(folder)
 

@@ -9,7 +9,6 @@ active parties: passive parties never see it.
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import numpy as np
 
@@ -26,9 +25,9 @@ def load_party(config: RunConfig, rank: int) -> PartyState:
     if config.party_files is None:
         raise ValueError("a rank reads only its own party file: the launcher writes them for a named "
                          "dataset (parties.launch.write_party_files)")
-    from vfl.datasets.party_files import load_party_file, party_file_name
+    from vfl.datasets.party_files import find_party_file, load_party_file
 
-    data = load_party_file(Path(config.party_files) / party_file_name(rank), expect_labels=active)
+    data = load_party_file(find_party_file(config.party_files, rank), expect_labels=active)
     X_train, X_test, y_train, y_test = data.X_train, data.X_test, data.y_train, data.y_test
     train_ids, test_ids = data.train_ids, data.test_ids
     if active and config.label_privacy == "dp":

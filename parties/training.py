@@ -214,16 +214,30 @@ class _Trainer:
         rate = self.updates / self.train_time if self.train_time else 0.0
         shown = ", ".join(f"{k} {v:.6g}" for k, v in record.items()
                           if k in ("loss", "suboptimality", "test_accuracy", "test_rmse"))
-        own_split = c.party_files is None or Path(c.party_files) == self.out / "parties"
-        print(f"VFB²-{c.algorithm} ({c.mode}) on {c.dataset if own_split else c.party_files}, "
+        data = self._data_name()
+        print(f"VFB²-{c.algorithm} ({c.mode}) on {data}, "
               f"q={c.parties}, m={c.active}: {self.epochs:g} epochs, {self.updates} dominated updates in "
               f"{self.train_time:.2f} s of training ({rate:,.0f}/s); {shown}.\n"
               f"Metrics: {self.out / 'metrics.jsonl'}; each party's block: "
               f"{c.party_dir or self.out}/party-<rank>.ckpt.npz",
               flush=True)
-        summary = {"outcome": outcome.name.lower(), "epochs": self.epochs, "updates": self.updates,
-                   "train_time": self.train_time, "gamma": c.gamma, "record": record}
+        summary = {"outcome": outcome.name.lower(), "data": data, "epochs": self.epochs,
+                   "updates": self.updates, "train_time": self.train_time, "gamma": c.gamma, "record": record}
         (self.out / "result.json").write_text(json.dumps(summary) + "\n")
+
+    def _data_name(self) -> str:
+        """What the run trained on, as results show it: the dataset's name (``news20-standin`` for a
+        stand-in), from the split's manifest when there is one, else the party-files folder."""
+        c = self.config
+        if c.party_files is None or Path(c.party_files) == self.out / "parties":
+            return c.dataset
+        from vfl.datasets.party_files import read_manifest
+        from vfl.datasets.validation import DataValidationError
+
+        try:
+            return f"{read_manifest(c.party_files).dataset} ({c.party_files})"
+        except DataValidationError:
+            return str(c.party_files)
 
     # ---------------------------------------------------------------------------------- collectives
 

@@ -28,7 +28,7 @@ REQUIRED_NAMES = {
     "a9a": (), "w8a": (), "credit-card": ("d1", "uci-credit-card"), "give-me-some-credit": ("d2",),
     "news20": ("d3",), "webspam": ("d4",), "e2006-tfidf": ("d5",), "yearpredictionmsd": ("d6",),
     "rcv1": (), "real-sim": (), "covtype": (), "fashion-mnist": (), "mnist": (), "breast-cancer": (),
-    "diabetes": (), "digits": (),
+    "diabetes": (), "digits": (), "news20-standin": ("d3-standin",), "webspam-standin": ("d4-standin",),
 }
 
 

@@ -58,6 +58,7 @@ def test_with_a_named_dataset_each_rank_reads_only_its_own_block(tmp_path):
     """The launcher loads the dataset once and writes one file per party; the ranks read only those."""
     from tests.test_runtime import CANCER, train
     from vfl.datasets import load, load_party_file
+    from vfl.datasets.party_files import find_party_file
     from vfl.partition import random_blocks
 
     train(tmp_path, "-n", "3", "-m", "1", "--epochs", "1", *CANCER)
@@ -65,6 +66,7 @@ def test_with_a_named_dataset_each_rank_reads_only_its_own_block(tmp_path):
     assert config["party_files"] == str(tmp_path / "parties")
     ds = load("breast-cancer", seed=0)
     for rank, cols in enumerate(random_blocks(ds.n_features, 3, seed=0)):
-        mine = load_party_file(tmp_path / "parties" / f"party-{rank}.npz")
+        mine = load_party_file(find_party_file(tmp_path / "parties", rank))
+        assert mine.source.is_dir()  # the memory-mappable layout: the rank maps its block
         assert list(mine.columns) == list(cols) and mine.X_train.shape == (ds.n_train, len(cols))
         assert mine.has_labels == (rank == 0)

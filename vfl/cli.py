@@ -1,4 +1,4 @@
-"""The ``vfl`` command: ``datasets``, ``split``, ``align``, ``reference``, ``train``, ``predict``,
+"""The ``vfl`` command: ``datasets``, ``synth``, ``split``, ``align``, ``reference``, ``train``, ``predict``,
 ``plot``, ``keygen``, ``hfl-train``, ``hfl-split``.
 
 Each subcommand validates its options here, at the edge, and turns library errors into one readable
@@ -29,20 +29,64 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_file_argument(text: str) -> bool:
+    """``vfl split`` takes a registered name or a LIBSVM file: a path that exists, or looks like one."""
+    from pathlib import Path
+
+    return Path(text).is_file() or "/" in text or text.endswith((".svm", ".libsvm", ".bz2", ".gz", ".txt"))
+
+
 def _cmd_split(args: argparse.Namespace) -> int:
     from vfl.datasets import load, split_to_party_files
     from vfl.partition import contiguous_blocks, random_blocks
 
-    ds = load(args.dataset, seed=args.seed, data_dir=args.data_dir)
-    partition_seed = args.seed if args.partition_seed is None else args.partition_seed
-    blocks = (contiguous_blocks(ds.n_features, args.parties) if args.contiguous
-              else random_blocks(ds.n_features, args.parties, seed=partition_seed))
     active = _parse_active(args.active, args.parties)
-    paths = split_to_party_files(ds, blocks, active, args.out, partition_seed=partition_seed,
-                                 overwrite=args.overwrite)
+    partition_seed = args.seed if args.partition_seed is None else args.partition_seed
+    if _is_file_argument(args.dataset):
+        from vfl.datasets.stream_split import split_libsvm_file
+
+        if args.format != "folder":
+            raise ValueError("a LIBSVM file is split in streaming into party folders: --format npz is for "
+                             "registered datasets only")
+        if args.chunk_mb <= 0:
+            raise ValueError(f"--chunk-mb must be positive, got {args.chunk_mb:g}")
+        paths = split_libsvm_file(args.dataset, args.parties, active, args.out, seed=args.seed,
+                                  partition_seed=partition_seed, contiguous=args.contiguous,
+                                  n_features=args.n_features, task=args.task, overwrite=args.overwrite,
+                                  chunk_bytes=int(args.chunk_mb * 2**20))
+    else:
+        ds = load(args.dataset, seed=args.seed, data_dir=args.data_dir)
+        blocks = (contiguous_blocks(ds.n_features, args.parties) if args.contiguous
+                  else random_blocks(ds.n_features, args.parties, seed=partition_seed))
+        paths = split_to_party_files(ds, blocks, active, args.out, partition_seed=partition_seed,
+                                     overwrite=args.overwrite, layout=args.format)
+    from vfl.datasets.party_files import read_manifest
+
+    manifest = read_manifest(args.out)
     for p, path in enumerate(paths):
         role = "active (features + labels)" if p in active else "passive (features only)"
-        print(f"party {p}: {path}  {role}, {len(blocks[p])} features")
+        print(f"party {p}: {path}  {role}, {manifest.block_sizes[p]:,} features")
+    print(f"{manifest.dataset}: {manifest.n_train:,} train / {manifest.n_test:,} test rows, "
+          f"{manifest.n_features:,} features")
+    return 0
+
+
+def _cmd_synth(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vfl.datasets.synth import standin_file_name, write_standin
+
+    out = Path(args.out)
+    if out.is_dir():
+        out = out / standin_file_name(args.shape)
+    info = write_standin(out, args.shape, n_rows=args.rows, seed=args.seed, mean_nnz=args.mean_nnz,
+                         label_noise=args.label_noise, overwrite=args.overwrite)
+    print(f"wrote {out} (STAND-IN for {info['stand_in_for']}, not the real data): {info['n_rows']:,} rows x "
+          f"{info['n_features']:,} features, {info['mean_nnz']:.1f} nonzeros a row, "
+          f"{100 * info['positive_fraction']:.1f} % positive; parameters in {out.name}.stand-in.json")
+    if out.name == standin_file_name(args.shape):
+        print(f"in a data folder (--data-dir, $VFL_DATA_DIR) it is --dataset {info['name']}, and --dataset "
+              f"{info['stand_in_for']} falls back to it while the real file is absent")
     return 0
 
 
@@ -145,10 +189,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_datasets)
 
     p = sub.add_parser("split", help="write one file per party (features; labels only for active parties)")
-    p.add_argument("dataset")
+    p.add_argument("dataset", help="a registered dataset name, or a LIBSVM file (split in streaming, "
+                                   "in bounded memory)")
     p.add_argument("-n", "--parties", type=int, required=True, help="q, number of parties")
     p.add_argument("-m", "--active", default="1", help="count m (parties 0..m-1) or list like 0,2")
-    p.add_argument("--out", required=True, help="folder for party-<p>.npz and manifest.json")
+    p.add_argument("--out", required=True, help="folder for party-<p>/ (or party-<p>.npz) and manifest.json")
+    p.add_argument("--format", choices=("folder", "npz"), default="folder",
+                   help="folder: party-<p>/ of .npy arrays the ranks memory-map; npz: one compressed file "
+                        "per party (registered datasets only)")
+    p.add_argument("--n-features", type=int, default=None,
+                   help="LIBSVM file: its width (default: a stand-in's sidecar, else the largest index)")
+    p.add_argument("--task", choices=("binary", "regression", "multiclass"), default="binary",
+                   help="LIBSVM file: how its labels are read")
+    p.add_argument("--chunk-mb", type=float, default=8.0, help="LIBSVM file: text read per chunk (MiB)")
     p.add_argument("--seed", type=int, default=0, help="train/test split seed")
     p.add_argument("--partition-seed", type=int, default=None,
                    help="feature partition seed (default: --seed)")
@@ -156,6 +209,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--data-dir", default=None)
     p.set_defaults(func=_cmd_split)
+
+    p = sub.add_parser("synth", help="write a synthetic STAND-IN LIBSVM file of news20's or webspam's shape")
+    p.add_argument("shape", choices=("news20", "webspam"))
+    p.add_argument("--rows", type=int, default=None, help="rows (default: the real file's)")
+    p.add_argument("--out", default=".", help="file, or folder for <shape>-standin.svm (default: here)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mean-nnz", type=float, default=None,
+                   help="mean nonzeros a row (default: the real file's, 455 / 3,728)")
+    p.add_argument("--label-noise", type=float, default=0.05, help="probability of flipping a label")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_cmd_synth)
 
     p = sub.add_parser("reference", help="train the non-federated (NonF) reference on pooled data")
     p.add_argument("--dataset", default="breast-cancer")
@@ -217,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (ValueError, FileNotFoundError) as err:  # includes ConfigError, DatasetNotFoundError
+    except (ValueError, FileNotFoundError, FileExistsError) as err:  # ConfigError, DatasetNotFoundError too
         print(f"vfl {args.command}: error: {err}", file=sys.stderr)
         return 2
 

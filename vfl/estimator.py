@@ -87,7 +87,7 @@ class _VerticalEstimator(BaseEstimator):
                      np.arange(n, n), seed=None)
         blocks = random_blocks(X.shape[1], self.parties, seed=self.seed)
         split_to_party_files(ds, blocks, list(range(self.active)), folder, partition_seed=self.seed,
-                             overwrite=True)
+                             overwrite=True, layout="folder")
         return folder
 
     def _train(self, folder: Path, run: Path) -> None:
@@ -95,7 +95,7 @@ class _VerticalEstimator(BaseEstimator):
         from parties.launch import launch
         from parties.outcomes import EXIT_CODES
         from vfl.datasets import load_party_file
-        from vfl.datasets.party_files import party_file_name
+        from vfl.datasets.party_files import find_party_file
 
         config = RunConfig(parties=self.parties, active=self.active, party_files=str(folder),
                            problem=self._problem, lam=self.lam, algorithm=self.algorithm, gamma=self.gamma,
@@ -110,7 +110,7 @@ class _VerticalEstimator(BaseEstimator):
         for p in range(self.parties):
             with np.load(run / f"party-{p}.ckpt.npz") as z:
                 blocks.append(z["w"].copy())
-            columns.append(load_party_file(folder / party_file_name(p)).columns)
+            columns.append(load_party_file(find_party_file(folder, p)).columns)
         self.coef_blocks_ = blocks
         self.columns_ = columns
         self.n_features_in_ = int(sum(b.size for b in blocks))

@@ -90,6 +90,8 @@ class DatasetSpec:
     system_dirs: tuple[Path, ...] = ()
     strict_features: bool = True
     notes: str = field(default="", compare=False)
+    stand_in: str | None = None
+    """The registered synthetic stand-in used when this dataset's real file is absent (D3, D4)."""
 
     @property
     def split(self) -> str:

@@ -97,3 +97,23 @@ def libsvm_loader(*, label_map: Mapping[float, float] | None = None, normalise_t
                        split_seed)
 
     return load
+
+
+def standin_loader(spec: DatasetSpec, paths: list[Path], seed: int) -> Dataset:
+    """A ``vfl synth`` stand-in: its rows are whatever its sidecar says (the size is adjustable), its
+    width the real set's; the seeded 80/20 split as for the real file. Refused without the sidecar."""
+    from vfl.datasets.synth import read_sidecar
+
+    path, = paths
+    info = read_sidecar(path)
+    if info["name"] != spec.name:
+        raise DataValidationError(f"{path}: its sidecar describes {info['name']!r}, not {spec.name!r}")
+    (X, y), = read_svmlight(paths, spec.n_features)
+    if X.shape[0] != int(info["n_rows"]):
+        raise DataValidationError(f"{path}: {X.shape[0]:,} rows, its sidecar says {int(info['n_rows']):,} "
+                                  f"(truncated?)")
+    check_finite_features(X, locate_rows(str(path)))
+    y = _labels(spec, y, path, None)
+    train_ids, test_ids = seeded_split(X.shape[0], seed)
+    return Dataset(spec.name, spec.task, X[train_ids], y[train_ids], X[test_ids], y[test_ids], train_ids,
+                   test_ids, seed)

@@ -1,14 +1,20 @@
 """One data file per party, for runs where each party (host) reads only its own features.
 
-``split_to_party_files`` writes, into ``out_dir``:
+``split_to_party_files`` writes, into ``out_dir``, one of two layouts with the same contents:
 
-- ``party-<p>.npz`` for p = 0..q-1: party p's train and test feature blocks (CSR kept as CSR, stored
+- ``layout="npz"`` (the default of this function, the format existing splits use):
+  ``party-<p>.npz`` for p = 0..q-1: party p's train and test feature blocks (CSR kept as CSR, stored
   as its data/indices/indptr/shape arrays; dense kept dense), its global column indices, the train and
-  test sample ids, the task and dataset name. **Labels only in the active parties' files.**
+  test sample ids, the task and dataset name. **Labels only in the active parties' files.** One
+  compressed file per organisation: the easiest to hand over.
+- ``layout="folder"``: a folder ``party-<p>/`` of plain ``.npy`` arrays that a rank memory-maps
+  instead of inflating (:mod:`vfl.datasets.party_folder`); what ``vfl split`` and the launcher write,
+  because at news20/webspam widths a rank should not hold a private copy of its block.
 - ``manifest.json``: q, which parties are active, n_train, n_test, n_features, task, dataset, split and
   partition seeds, and the per-party block sizes. Nothing about feature values.
 
-``load_party_file`` reads such a file back, or a **CSV party file** brought by an organisation, laid
+``find_party_file(folder, p)`` finds party p's file or folder in a split; ``load_party_file`` reads
+either layout back, or a **CSV party file** brought by an organisation, laid
 out as: a header row; an ``id`` column (integer sample ids, unique, the alignment key); an optional
 ``label`` column (active parties only); an optional ``split`` column with values ``train`` / ``test``
 (without it every row is a training row); every other column is a numeric feature (finite; no missing
@@ -21,6 +27,7 @@ Every problem is a :class:`DataValidationError` naming the file and the row (and
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,6 +37,7 @@ import scipy.sparse as sp
 
 from vfl.datasets.base import Dataset, Matrix
 from vfl.datasets.csv_table import read_csv
+from vfl.datasets.party_folder import is_party_folder, matrix_arrays, read_party_folder, write_party_folder
 from vfl.datasets.validation import (
     TASKS,
     DataValidationError,
@@ -42,10 +50,45 @@ from vfl.partition import block_of, blocks_from_columns
 FORMAT = "vfl-party-file/1"
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "test")
+LAYOUTS = ("npz", "folder")
 
 
-def party_file_name(party: int) -> str:
-    return f"party-{party}.npz"
+def party_file_name(party: int, layout: str = "npz") -> str:
+    """``party-<p>.npz``, or ``party-<p>`` for the folder layout."""
+    return f"party-{party}.npz" if layout == "npz" else f"party-{party}"
+
+
+def find_party_file(folder: str | Path, party: int) -> Path:
+    """Party ``party``'s data in a split folder: the ``party-<p>/`` folder, else ``party-<p>.npz``.
+
+    Raises FileNotFoundError naming both when neither is there.
+    """
+    base = Path(folder)
+    as_folder, as_npz = base / party_file_name(party, "folder"), base / party_file_name(party, "npz")
+    if is_party_folder(as_folder):
+        return as_folder
+    if as_npz.is_file():
+        return as_npz
+    raise FileNotFoundError(f"{base}: no data for party {party} ({as_folder.name}/ or {as_npz.name})")
+
+
+def earlier_split(out: Path) -> list[Path]:
+    """The files of a split already in ``out`` (party files or folders, the manifest)."""
+    folders = [p for p in sorted(out.glob("party-*")) if is_party_folder(p) or p.name.endswith(".partial")]
+    return sorted(out.glob("party-*.npz")) + folders + sorted(out.glob(MANIFEST_NAME))
+
+
+def clear_split(out: Path, overwrite: bool) -> None:
+    """Refuse to write over an earlier split unless ``overwrite``; then remove it."""
+    earlier = earlier_split(out)
+    if earlier and not overwrite:
+        raise FileExistsError(f"{out} already holds a split ({earlier[0].name}, ...); pass overwrite=True "
+                              f"(--overwrite) or choose an empty folder")
+    for stale in earlier:
+        if stale.is_dir():
+            shutil.rmtree(stale)
+        else:
+            stale.unlink()
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,26 +155,42 @@ def _check_active(active: Sequence[int], q: int) -> tuple[int, ...]:
     return tuple(sorted(chosen))
 
 
+def _write_folder(out: Path, dataset: Dataset, party: int, block: np.ndarray, labelled: bool) -> Path:
+    arrays: dict[str, np.ndarray] = {"columns": block}
+    meta = {"dataset": dataset.name, "task": dataset.task, "party": party,
+            "n_features_total": dataset.n_features, "n_features": int(block.size), "has_labels": labelled}
+    for split in SPLITS:
+        block_arrays, meta[split] = matrix_arrays(split, block_of(getattr(dataset, f"X_{split}"), block))
+        arrays.update(block_arrays)
+        arrays[f"{split}/ids"] = np.asarray(getattr(dataset, f"{split}_ids"), dtype=np.int64)
+        if labelled:
+            arrays[f"{split}/y"] = np.asarray(getattr(dataset, f"y_{split}"))
+    if dataset.feature_names is not None:
+        arrays["feature_names"] = np.asarray(dataset.feature_names)[block].astype(np.str_)
+    return write_party_folder(out / party_file_name(party, "folder"), meta, arrays)
+
+
 def split_to_party_files(dataset: Dataset, blocks: Sequence[Sequence[int]], active: Sequence[int],
                          out_dir: str | Path, *, partition_seed: int | None = None,
-                         overwrite: bool = False) -> list[Path]:
+                         overwrite: bool = False, layout: str = "npz") -> list[Path]:
     """Write one file per party (and ``manifest.json``) into ``out_dir``; return the party files in
     party order. ``blocks`` must be a partition of the dataset's columns (see :mod:`vfl.partition`).
+    ``layout``: ``"npz"`` (one compressed file per party) or ``"folder"`` (memory-mappable).
     Refuses to overwrite an earlier split unless ``overwrite``.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     checked_blocks = blocks_from_columns(blocks, dataset.n_features)
     q = len(checked_blocks)
     active_parties = _check_active(active, q)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    earlier = sorted(out.glob("party-*.npz")) + sorted(out.glob(MANIFEST_NAME))
-    if earlier and not overwrite:
-        raise FileExistsError(f"{out} already holds a split ({earlier[0].name}, ...); pass overwrite=True "
-                              f"or choose an empty folder")
-    for stale in earlier:
-        stale.unlink()
+    clear_split(out, overwrite)
     paths = []
     for party, block in enumerate(checked_blocks):
+        if layout == "folder":
+            paths.append(_write_folder(out, dataset, party, block, party in active_parties))
+            continue
         arrays = {
             "format": np.asarray(FORMAT), "dataset": np.asarray(dataset.name),
             "task": np.asarray(dataset.task),
@@ -270,17 +329,25 @@ def _load_csv(path: Path, task: str | None) -> PartyData:
 
 def load_party_file(path: str | Path, *, expect_labels: bool | None = None,
                     task: str | None = None) -> PartyData:
-    """Load and validate one party's file (``.npz`` from :func:`split_to_party_files`, or ``.csv``).
+    """Load and validate one party's data: a ``party-<p>/`` folder (memory-mapped) or an ``.npz`` from
+    :func:`split_to_party_files`, or a ``.csv``.
 
     ``expect_labels``: True for an active party (labels required), False for a passive one (labels
     forbidden), None to accept either. ``task``: required for a CSV file with labels; for an npz file,
     checked against the stored task when given.
     """
     source = Path(path)
-    if not source.is_file():
-        raise FileNotFoundError(f"party file {source} does not exist")
     if task is not None and task not in TASKS:
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+    if is_party_folder(source):
+        data = PartyData(source, **read_party_folder(source))
+        if task is not None and task != data.task:
+            raise DataValidationError(f"{source}: the data is for a {data.task} task, {task} was expected")
+        return _validated(data, expect_labels)
+    if source.is_dir():
+        raise DataValidationError(f"{source}: a folder without party.json is not a vfl party folder")
+    if not source.is_file():
+        raise FileNotFoundError(f"party file {source} does not exist")
     is_csv = source.name.endswith((".csv", ".csv.gz", ".csv.bz2"))
     data = _load_csv(source, task) if is_csv else _load_npz(source, task)
     return _validated(data, expect_labels)

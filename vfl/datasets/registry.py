@@ -13,8 +13,10 @@ from pathlib import Path
 
 from vfl.datasets import credit, embedded, idx
 from vfl.datasets.base import Dataset, DatasetSpec
-from vfl.datasets.libsvm import libsvm_loader
-from vfl.datasets.paths import candidate_paths, find_file
+from vfl.datasets.libsvm import libsvm_loader, standin_loader
+from vfl.datasets.paths import DatasetNotFoundError, candidate_paths, find_file
+from vfl.datasets.synth import SHAPES as STANDIN_SHAPES
+from vfl.datasets.synth import read_sidecar, standin_file_name
 from vfl.datasets.validation import DataValidationError
 
 SYSTEM_DATASET_DIRS = (Path("/usr/share/datasets"),)
@@ -39,10 +41,14 @@ _SPECS = (
                 aliases=("d2",), strict_features=False,
                 notes="feature rule aims at the paper's 92 but is unverified on the real file"),
     DatasetSpec("news20", "binary", "LIBSVM news20.binary (paper D3)", libsvm_loader(), ("news20.binary",),
-                n_rows=19_996, n_features=1_355_191, aliases=("d3",)),
+                n_rows=19_996, n_features=1_355_191, aliases=("d3",), stand_in="news20-standin"),
     DatasetSpec("webspam", "binary", "LIBSVM webspam, trigram version (paper D4)", libsvm_loader(),
                 ("webspam_wc_normalized_trigram.svm",), n_rows=350_000, n_features=16_609_143,
-                aliases=("d4",)),
+                aliases=("d4",), stand_in="webspam-standin"),
+    *(DatasetSpec(shape.name, "binary", f"SYNTHETIC stand-in for {shape.of} (`vfl synth {key}`; rows as "
+                  f"written)", standin_loader, (standin_file_name(key),), n_rows=shape.n_rows,
+                  n_features=shape.n_features, aliases=(f"{'d3' if key == 'news20' else 'd4'}-standin",))
+      for key, shape in STANDIN_SHAPES.items()),
     DatasetSpec("e2006-tfidf", "regression", "LIBSVM E2006-tfidf (paper D5)", libsvm_loader(),
                 ("E2006.train", "E2006.test"), n_rows=16_087, n_test_rows=3_308, n_features=150_360,
                 aliases=("d5",)),
@@ -109,6 +115,32 @@ def _locate_files(spec: DatasetSpec, data_dir: str | os.PathLike[str] | None) ->
             for name in spec.files]
 
 
+def resolve_name(name: str, data_dir: str | os.PathLike[str] | None = None) -> str:
+    """The registered name a run will use: ``name``'s own, or its stand-in's (``news20`` →
+    ``news20-standin``) when the real file is absent and ``vfl synth`` wrote a stand-in. The real
+    file always wins; a run on a stand-in carries the stand-in's name, so its results say so.
+    """
+    return _resolve_spec(name, data_dir).name
+
+
+def _resolve_spec(name: str, data_dir: str | os.PathLike[str] | None) -> DatasetSpec:
+    spec = get_spec(name)
+    if spec.stand_in is None:
+        return spec
+    try:
+        _locate_files(spec, data_dir)
+        return spec
+    except DatasetNotFoundError as missing:
+        stand_in = get_spec(spec.stand_in)
+        try:
+            _locate_files(stand_in, data_dir)
+        except DatasetNotFoundError:
+            raise missing from None
+        warnings.warn(f"dataset {spec.name!r}: the real file is not here; using the synthetic stand-in "
+                      f"{stand_in.name!r} (results are labelled stand-in)", stacklevel=3)
+        return stand_in
+
+
 def list_datasets(data_dir: str | os.PathLike[str] | None = None) -> list[DatasetInfo]:
     """Every registered dataset, with whether its files are present (nothing is loaded)."""
     infos = []
@@ -120,9 +152,18 @@ def list_datasets(data_dir: str | os.PathLike[str] | None = None) -> list[Datase
                            if p.is_file()), None) for name in spec.files]
             if all(found):
                 where = str(found[0].parent)
+                if spec.loader is standin_loader:  # a stand-in has the rows it was written with
+                    rows = _standin_rows(found[0], rows)
         infos.append(DatasetInfo(spec.name, spec.aliases, spec.task, (rows, spec.n_features), spec.split,
                                  spec.files, where is not None, where, spec.description))
     return infos
+
+
+def _standin_rows(path: Path, default: int) -> int:
+    try:
+        return int(read_sidecar(path)["n_rows"])
+    except DataValidationError:
+        return default
 
 
 def load(name: str, seed: int = 0, data_dir: str | os.PathLike[str] | None = None) -> Dataset:
@@ -132,7 +173,7 @@ def load(name: str, seed: int = 0, data_dir: str | os.PathLike[str] | None = Non
     searched, and :class:`~vfl.datasets.validation.DataValidationError` for a file that does not match
     its published shape or holds invalid values.
     """
-    spec = get_spec(name)
+    spec = _resolve_spec(name, data_dir)
     dataset = spec.loader(spec, _locate_files(spec, data_dir), int(seed))
     if dataset.n_features != spec.n_features:
         message = (f"dataset {spec.name!r}: {dataset.n_features} features after preprocessing, expected "
