@@ -222,7 +222,7 @@ def _validate_he(c: RunConfig) -> None:
                           f"(got {c.he_key_bits})")
 
 
-def _check_he_batch(c: RunConfig, widest_passive_block: int) -> None:
+def check_he_batch(c: RunConfig, widest_passive_block: int) -> None:
     """B must exceed every passive block's width, or its batch gradient determines ϑ (label_he)."""
     from protocols.label_he import min_batch
 
@@ -265,7 +265,7 @@ def _validate_data(c: RunConfig) -> None:
                           f"{c.parties} parties at least one")
     _check_saga_table(c, ds.n_train, -(-ds.n_features // c.parties))
     if c.active < c.parties:  # random_blocks: near-equal blocks, the widest has ⌈d / q⌉ columns
-        _check_he_batch(c, -(-ds.n_features // c.parties))
+        check_he_batch(c, -(-ds.n_features // c.parties))
 
 
 @functools.lru_cache(maxsize=1)
@@ -307,7 +307,7 @@ def _check_party_files(c: RunConfig, folder: Path) -> None:
         raise ConfigError(f"--party-files {folder}: {err}") from None
     _check_saga_table(c, parties[0].X_train.shape[0], max(p.n_features for p in parties))
     if c.active < c.parties:
-        _check_he_batch(c, max(p.n_features for p in parties[c.active:]))
+        check_he_batch(c, max(p.n_features for p in parties[c.active:]))
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
