@@ -116,11 +116,14 @@ def judge(scores: np.ndarray, y: np.ndarray) -> dict[str, float]:
 
 
 def attack_all(transcript_path: str | Path, y: np.ndarray, X=None) -> dict[str, dict[str, float]]:
-    """Every attack on one party's transcript; ``X``, the party's own training block, for those that
-    use it (``batch_gradient``)."""
+    """Every attack on one party's transcript; those that need the party's own training block
+    (``batch_gradient``) only when ``X`` is given."""
     t = Transcript.load(transcript_path)
-    return {name: judge(attack(t, y.size, X) if name == "batch_gradient" else attack(t, y.size), y)
-            for name, attack in ATTACKS.items()}
+    found = {name: judge(attack(t, y.size), y) for name, attack in ATTACKS.items()
+             if name != "batch_gradient"}
+    if X is not None:
+        found["batch_gradient"] = judge(batch_gradient(t, y.size, X), y)
+    return found
 
 
 #: HE runs SGD only: mini-batches of 256 (above every passive block of a9a / credit-card at q = 4)
