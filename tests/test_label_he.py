@@ -15,7 +15,15 @@ import scipy.sparse as sp
 
 from experiments.label_attacks import Transcript, attack_all
 from parties.config import ConfigError, RunConfig, check_he_batch, validate
-from parties.runtime import AUDIT_FULL_THETA, AUDIT_HE_GRADIENT, TAG_HE_BATCH, TAG_HE_DECRYPTED, TAG_THETA
+from parties.runtime import (
+    AUDIT_FULL_THETA,
+    AUDIT_HE_GRADIENT,
+    TAG_HE_BATCH,
+    TAG_HE_DECRYPTED,
+    TAG_HE_MASKED,
+    TAG_THETA,
+    check_envelope,
+)
 from protocols import label_he
 from protocols.errors import ProtocolViolation
 from tests.test_runtime import CANCER, LAM, metrics, train
@@ -99,6 +107,17 @@ def test_the_active_party_never_decrypts_a_gradient_that_determines_theta(key):
     masked = party.masked(key.encrypt(np.zeros(9)), np.arange(9))
     with pytest.raises(ProtocolViolation, match="9 values for a batch of 9"):
         key.decrypt_masked(1, masked, batch=9)
+
+
+def test_he_messages_pass_the_envelope_only_in_he_mode_and_in_their_direction():
+    ok = dict(active_ranks=[0], synchronous=False, he=True)
+    check_envelope(0, TAG_HE_BATCH, 64, rank=1, **ok)  # dominator → passive party
+    check_envelope(0, TAG_HE_DECRYPTED, 64, rank=1, **ok)
+    check_envelope(1, TAG_HE_MASKED, 64, rank=0, **ok)  # passive party → dominator
+    for source, tag, rank, he in ((0, TAG_HE_BATCH, 1, False), (1, TAG_HE_BATCH, 2, True),
+                                  (1, TAG_HE_MASKED, 2, True), (0, TAG_HE_MASKED, 1, True)):
+        with pytest.raises(ProtocolViolation, match=f"party {source} may not send it to party {rank}"):
+            check_envelope(source, tag, 64, rank=rank, active_ranks=[0], synchronous=False, he=he)
 
 
 def test_he_mode_refuses_what_would_reveal_theta():
