@@ -222,6 +222,19 @@ def _validate_he(c: RunConfig) -> None:
                           f"(got {c.he_key_bits})")
 
 
+def check_he_features(c: RunConfig, passive_blocks) -> None:
+    """Features must fit the fixed point of ``--label-privacy he`` (|x| < 2^VALUE_BITS)."""
+    from protocols.label_he import VALUE_BITS
+
+    if c.label_privacy != "he":
+        return
+    largest = max((float(abs(X).max()) if X.shape[0] * X.shape[1] else 0.0 for X in passive_blocks),
+                  default=0.0)
+    if not largest < 2.0**VALUE_BITS:  # NaN too
+        raise ConfigError(f"--label-privacy he encodes features in fixed point below 2^{VALUE_BITS}; a "
+                          f"passive party has |x| = {largest:g}: scale the features first")
+
+
 def check_he_batch(c: RunConfig, widest_passive_block: int) -> None:
     """B must exceed every passive block's width, or its batch gradient determines ϑ (label_he)."""
     from protocols.label_he import min_batch
@@ -266,6 +279,7 @@ def _validate_data(c: RunConfig) -> None:
     _check_saga_table(c, ds.n_train, -(-ds.n_features // c.parties))
     if c.active < c.parties:  # random_blocks: near-equal blocks, the widest has ⌈d / q⌉ columns
         check_he_batch(c, -(-ds.n_features // c.parties))
+        check_he_features(c, [ds.X_train])  # which columns go to passive parties is drawn later
 
 
 @functools.lru_cache(maxsize=1)
@@ -308,6 +322,7 @@ def _check_party_files(c: RunConfig, folder: Path) -> None:
     _check_saga_table(c, parties[0].X_train.shape[0], max(p.n_features for p in parties))
     if c.active < c.parties:
         check_he_batch(c, max(p.n_features for p in parties[c.active:]))
+        check_he_features(c, [p.X_train for p in parties[c.active:]])
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

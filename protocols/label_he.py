@@ -19,8 +19,9 @@ Threat model: semi-honest parties (they follow the protocol, and look at everyth
   and the active party itself refuses to decrypt a gradient of B or more values. With B > d_l the
   party still learns the d_l-dimensional projection X_Bᵀ ϑ_B of each batch, and its own model block
   w_l (as in every VFL mode): both are label information by design; docs/label-privacy.md says more.
-* The active party sees g_j + r_j with r_j uniform on [0, 2^MASK_BITS): statistically within
-  2^-(MASK_BITS − 1 − GRADIENT_BITS) = 2^-79 of independent of g_j. It learns d_l (public anyway).
+* The active party sees g_j + r_j with r_j uniform on [0, 2^MASK_BITS): its statistical distance
+  from r_j alone is |g_j| / 2^MASK_BITS < 2^(GRADIENT_BITS − MASK_BITS) = 2^-100. It learns d_l
+  (public anyway).
 
 Fixed point: ϑ is encoded with THETA_BITS fractional bits (resolution 2^-32 ≈ 2.3e-10); a party's
 features exactly when they are all integers (one-hot, counts: multiplying a ciphertext by 1 is
@@ -30,8 +31,8 @@ below 2^20 (a diverging run stops with a clear message instead of wrapping aroun
 
 Library: SecretFlow HEU (``sf-heu``, C++). Okamoto–Uchiyama with a 2048-bit modulus n = p²q is the
 default: HEU draws its primes and randomness for 112-bit security, NIST SP 800-57's level for a
-2048-bit RSA modulus; ``--he-key-bits 3072`` gives 128 bits. Measured on this workload, docs/label-privacy.md.
-Paillier (``--he-scheme paillier``) is there for those whose policy names it (about 10x slower).
+2048-bit RSA modulus; ``--he-key-bits 3072`` gives 128 bits. Measurements: docs/label-privacy.md.
+Paillier (``--he-scheme paillier``) is there for those whose policy names it (25-30x slower a batch).
 
 Every buffer another party sends is checked here before the library parses it: exact header, lengths
 within the bounds the key size allows, a ciphertext count equal to what the protocol produces; a

@@ -14,7 +14,7 @@ import pytest
 import scipy.sparse as sp
 
 from experiments.label_attacks import Transcript, attack_all
-from parties.config import ConfigError, RunConfig, check_he_batch, validate
+from parties.config import ConfigError, RunConfig, check_he_batch, check_he_features, validate
 from parties.runtime import (
     AUDIT_FULL_THETA,
     AUDIT_HE_GRADIENT,
@@ -133,6 +133,8 @@ def test_he_mode_refuses_what_would_reveal_theta():
     with pytest.raises(ConfigError, match=r"at least 41 here.*40 columns"):
         check_he_batch(RunConfig(**{**base, "batch_size": 40}), 40)
     check_he_batch(RunConfig(**{**base, "batch_size": 41}), 40)
+    with pytest.raises(ConfigError, match="scale the features"):
+        check_he_features(RunConfig(**base), [sp.csr_matrix(np.full((2, 2), 3e6))])
 
 
 # ------------------------------------------------------------------------------------- real jobs
