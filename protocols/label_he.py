@@ -134,14 +134,16 @@ class LabelKey:
         try:
             cts = hnp.CiphertextArray.load_from(payload)
         except Exception as err:
-            raise ProtocolViolation(source, "masked gradient", f"not a ciphertext array ({err})") from None
+            raise ProtocolViolation(source, "masked gradient",
+                                    f"not a ciphertext array ({_first_line(err)})") from None
         if cts.ndim != 1 or not 0 < cts.size < batch:
             raise ProtocolViolation(source, "masked gradient", f"{cts.size} values for a batch of {batch}: "
                                     f"B must exceed the block's columns, or ϑ could be solved for")
         try:
             values = self._decryptor.decrypt(cts).to_numpy(self._big).ravel()
         except Exception as err:
-            raise ProtocolViolation(source, "masked gradient", f"does not decrypt ({err})") from None
+            raise ProtocolViolation(source, "masked gradient",
+                                    f"does not decrypt ({_first_line(err)})") from None
         return _to_words([int(v) % (1 << RETURN_BITS) for v in values])
 
 
@@ -157,7 +159,7 @@ class BlockGradient:
             key = phe.PublicKey.load_from(public_key)
             self._kit = hnp.setup(key)
         except Exception as err:
-            raise ProtocolViolation(source, _WHAT_KEY, f"does not parse ({err})") from None
+            raise ProtocolViolation(source, _WHAT_KEY, f"does not parse ({_first_line(err)})") from None
         if self._kit.get_schema() != _schema(scheme):
             raise ProtocolViolation(source, _WHAT_KEY, f"is not a {scheme} key")
         bound = self._kit.public_key().plaintext_bound()
@@ -187,7 +189,8 @@ class BlockGradient:
         try:
             cts = hnp.CiphertextArray.load_from(payload)
         except Exception as err:
-            raise ProtocolViolation(self.source, _WHAT_CT, f"not a ciphertext array ({err})") from None
+            raise ProtocolViolation(self.source, _WHAT_CT,
+                                    f"not a ciphertext array ({_first_line(err)})") from None
         if cts.ndim != 1 or cts.size != b:
             raise ProtocolViolation(self.source, _WHAT_CT, f"{cts.size} ciphertexts for {b} rows")
         blk = self.block
@@ -229,6 +232,11 @@ class BlockGradient:
             out[j] = (g - full if g >= full >> 1 else g) / 2.0**(THETA_BITS + self.feature_bits)
         self._masks = None
         return out
+
+
+def _first_line(err: Exception) -> str:
+    """The library's message without the C++ stack trace it appends."""
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def _to_words(values: list[int]) -> np.ndarray:

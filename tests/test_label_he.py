@@ -26,6 +26,7 @@ from parties.runtime import (
 )
 from protocols import label_he
 from protocols.errors import ProtocolViolation
+from tests.conftest import run_mpi
 from tests.test_runtime import CANCER, LAM, metrics, train
 from vfl.algorithms.vfb2 import Block
 from vfl.datasets import load
@@ -192,3 +193,14 @@ def test_a_passive_party_receives_no_theta(he_run):
         # learn to update its block; at w ≈ 0, ϑ ≈ −y/2 and their least-squares inversion recovers
         # what the party's own features can predict of the labels
         assert found["batch_gradient"]["accuracy"] > found["batch_gradient"]["majority"] + 0.2
+
+
+@pytest.mark.mpi
+def test_the_dominator_ends_the_job_rather_than_decrypt_a_gradient_that_reveals_theta():
+    """Passive party 1 answers an encrypted batch of B rows with B ciphertexts (from which it could
+    solve for ϑ once decrypted): the dominator refuses in a real job and names party 1. The same
+    script's ``garbage`` forgery is refused the same way (not run here: one job is enough for CI)."""
+    proc = run_mpi(3, ["tests/mpi_scripts/tamper_he.py", "wide"], timeout=180, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 139, -11) and "NOT REJECTED" not in output, output
+    assert "party 1 sent an invalid masked gradient: 16 values for a batch of 16" in output, output
