@@ -14,9 +14,10 @@ B rows dominated by active party a:
 Threat model: semi-honest parties (they follow the protocol, and look at everything they receive).
 
 * The passive party sees ciphertexts under a's key, the rows of the batch and its own batch gradient
-  g = X_Bᵀ ϑ_B: d_l linear equations in the B unknowns ϑ_B. With B ≤ rank(X_B) they determine ϑ_B (a
-  batch of 1 gives ϑ = g_j / x_ij outright), so B must exceed d_l: the launcher refuses a smaller B
-  and the active party itself refuses to decrypt a gradient of B or more values. With B > d_l the
+  g = X_Bᵀ ϑ_B: d_l linear equations in the B unknowns ϑ_B. When X_B has rank B (only possible with
+  B ≤ d_l) they determine ϑ_B (B = 1 gives ϑ = g_j / x_ij outright), so B must exceed d_l: the
+  launcher refuses a smaller B and the active party itself refuses to decrypt a gradient of B or more
+  values. With B > d_l the
   party still learns the d_l-dimensional projection X_Bᵀ ϑ_B of each batch, and its own model block
   w_l (as in every VFL mode): both are label information by design; docs/label-privacy.md says more.
 * The active party sees g_j + r_j with r_j uniform on [0, 2^MASK_BITS): its statistical distance
