@@ -42,6 +42,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "vfb2_lr_sweep": ("experiments.vfb2_lr_sweep", "learning-rate sweep over the VFB² paper's γ grid"),
     "feddro": ("experiments.feddro_fmnist",
                "FedDRO paper §6 design on Fashion-MNIST-ST: baselines, period I, number of clients"),
+    "label_he": ("experiments.bench_label_he",
+                 "--label-privacy he: cost of one encrypted batch, and the HE libraries compared"),
     "label_attacks": ("experiments.label_attacks",
                       "label inference by a curious passive party from its own transcript, per mode"),
     "feddro_toy": ("experiments.feddro_toy", "FedDRO vs FedAvg-CO on closed-form problems (Thm 4.1, Fig. 6)"),

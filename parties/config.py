@@ -22,8 +22,9 @@ from vfl.algorithms.registry import ALGORITHMS, MODES, get_algorithm
 LAZY_FROM_COLUMNS = 10_000
 UPDATES = ("auto", "lazy", "eager")
 
-#: How the labels are protected: not at all (plain VFB²), or ε-label-DP by randomized response.
-LABEL_PRIVACY = ("none", "dp")
+#: How the labels are protected: not at all (plain VFB²), ε-label-DP by randomized response, or
+#: passive parties see ϑ only under additively homomorphic encryption (protocols/label_he.py).
+LABEL_PRIVACY = ("none", "dp", "he")
 
 #: Largest mini-batch: one step's (ϑ, i) message and aggregation request must fit the runtime's
 #: receive buffer (``parties.runtime.MAX_MESSAGE_WORDS``).
@@ -69,6 +70,8 @@ class RunConfig:
     overwrite: bool = False
     label_privacy: str = "none"
     epsilon: float | None = None
+    he_scheme: str = "ou"
+    he_key_bits: int = 2048
     secure_channels: bool = False
     channel_keys: str | None = None
     channel_public_keys: list[str] | None = None
@@ -92,6 +95,8 @@ class RunConfig:
 
     def lazy_updates(self, block_columns: int) -> bool:
         """Whether a party with this many columns uses the lazy O(nnz) kernels (``--updates``)."""
+        if self.label_privacy == "he":  # passive parties step from a summed gradient: eager kernels
+            return False
         if self.updates == "auto":
             return block_columns >= LAZY_FROM_COLUMNS
         return self.updates == "lazy"
@@ -181,6 +186,8 @@ def validate(config: RunConfig) -> RunConfig:
                               "drop --target-suboptimality / --f-star")
     elif c.epsilon is not None:
         raise ConfigError("--epsilon needs --label-privacy dp")
+    if c.label_privacy == "he":
+        _validate_he(c)
     if c.channel_keys is not None and not c.secure_channels:
         raise ConfigError("--channel-keys needs --secure-channels")
     if c.party_dir is not None:
@@ -193,6 +200,50 @@ def validate(config: RunConfig) -> RunConfig:
                               f"got {c.party_dir!r}")
     _validate_data(c)
     return c
+
+
+def _validate_he(c: RunConfig) -> None:
+    """What ``--label-privacy he`` runs today: SGD mini-batches of at least the minimum B."""
+    from protocols.label_he import KEY_BITS, MIN_BATCH, SCHEMES
+
+    if c.algorithm != "sgd":
+        raise ConfigError(f"--label-privacy he runs --algorithm sgd only: {c.algorithm}'s full passes "
+                          "(SVRG's μ_l, SAGA's initial table) would send passive parties ϑ in clear")
+    if c.batch_size < MIN_BATCH:
+        raise ConfigError(f"--label-privacy he needs --batch-size of at least {MIN_BATCH} (got "
+                          f"{c.batch_size}): a passive party learns its batch gradient X_Bᵀϑ, which gives "
+                          "away ϑ when B does not exceed its block's columns (B = 1: ϑ = g_j / x_ij)")
+    if c.updates == "lazy":
+        raise ConfigError("--label-privacy he uses the eager kernels: drop --updates lazy")
+    if c.he_scheme not in SCHEMES:
+        raise ConfigError(f"unknown --he-scheme {c.he_scheme!r}; choose one of {', '.join(SCHEMES)}")
+    if c.he_key_bits not in KEY_BITS:
+        raise ConfigError(f"--he-key-bits must be one of {', '.join(map(str, KEY_BITS))} "
+                          f"(got {c.he_key_bits})")
+
+
+def check_he_features(c: RunConfig, passive_blocks) -> None:
+    """Features must fit the fixed point of ``--label-privacy he`` (|x| < 2^VALUE_BITS)."""
+    from protocols.label_he import VALUE_BITS
+
+    if c.label_privacy != "he":
+        return
+    largest = max((float(abs(X).max()) if X.shape[0] * X.shape[1] else 0.0 for X in passive_blocks),
+                  default=0.0)
+    if not largest < 2.0**VALUE_BITS:  # NaN too
+        raise ConfigError(f"--label-privacy he encodes features in fixed point below 2^{VALUE_BITS}; a "
+                          f"passive party has |x| = {largest:g}: scale the features first")
+
+
+def check_he_batch(c: RunConfig, widest_passive_block: int) -> None:
+    """B must exceed every passive block's width, or its batch gradient determines ϑ (label_he)."""
+    from protocols.label_he import min_batch
+
+    if c.label_privacy == "he" and c.batch_size < min_batch(widest_passive_block):
+        raise ConfigError(f"--label-privacy he needs --batch-size of at least "
+                          f"{min_batch(widest_passive_block)} here (got {c.batch_size}): a passive block "
+                          f"has {widest_passive_block} columns, and with B ≤ that its batch gradient "
+                          "X_Bᵀϑ determines ϑ")
 
 
 def _validate_data(c: RunConfig) -> None:
@@ -243,6 +294,9 @@ def _validate_data(c: RunConfig) -> None:
         raise ConfigError(f"dataset {c.dataset!r} has {ds.n_features} features: cannot give each of "
                           f"{c.parties} parties at least one")
     _check_saga_table(c, ds.n_train, -(-ds.n_features // c.parties))
+    if c.active < c.parties:  # random_blocks: near-equal blocks, the widest has ⌈d / q⌉ columns
+        check_he_batch(c, -(-ds.n_features // c.parties))
+        check_he_features(c, [ds.X_train])  # which columns go to passive parties is drawn later
 
 
 @functools.lru_cache(maxsize=1)
@@ -295,6 +349,9 @@ def _check_party_files(c: RunConfig, folder: Path) -> None:
     except ValueError as err:
         raise ConfigError(f"--party-files {folder}: {err}") from None
     _check_saga_table(c, parties[0].X_train.shape[0], max(p.n_features for p in parties))
+    if c.active < c.parties:
+        check_he_batch(c, max(p.n_features for p in parties[c.active:]))
+        check_he_features(c, [p.X_train for p in parties[c.active:]])
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -353,7 +410,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "(default: --out)")
     p.add_argument("--label-privacy", default=d.label_privacy, choices=LABEL_PRIVACY,
                    help="none: passive parties can infer the labels from ϑ; dp: ε-label-DP by randomized "
-                        "response on the training labels (needs --epsilon, -m 1)")
+                        "response on the training labels (needs --epsilon, -m 1); he: passive parties get "
+                        "ϑ only encrypted and learn their batch gradients (sgd, -B above every passive "
+                        "block's width)")
+    p.add_argument("--he-scheme", default=d.he_scheme, choices=("ou", "paillier"),
+                   help="additively homomorphic scheme of --label-privacy he (Okamoto–Uchiyama: ~10x faster)")
+    p.add_argument("--he-key-bits", type=int, default=d.he_key_bits, choices=(2048, 3072, 4096),
+                   help="modulus size of --label-privacy he (2048: 112-bit security, 3072: 128-bit)")
     p.add_argument("--epsilon", type=float, default=None, help="ε of --label-privacy dp")
     p.add_argument("--secure-channels", action="store_true",
                    help="seal every message between parties (X25519 + ChaCha20-Poly1305)")

@@ -34,6 +34,7 @@ import numpy as np
 from mpi4py import MPI
 
 from parties.outcomes import EXIT_CODES
+from protocols import label_he
 from protocols.aggregation import AggregationNode, Completed, Requested
 from protocols.channels import OVERHEAD_WORDS, ChannelKeys, SecureChannels
 from protocols.delay import DelayedDelivery
@@ -52,12 +53,22 @@ TAG_STOP = 0x5709
 TAG_DONE = 0xD0E
 TAG_HEARTBEAT = 0xBEA7
 TAG_FULL_THETA = 0xF7E7  # on the control communicator, only with sealed channels
+#: --label-privacy he (protocols/label_he.py): encrypted batch to a passive party, its masked encrypted
+#: gradient back to the dominator, and the dominator's decryption of it (still masked) to the party.
+TAG_HE_BATCH = 0x4E7A
+TAG_HE_MASKED = 0x4E3A
+TAG_HE_DECRYPTED = 0x4E9A
 #: Audit labels of what arrives on the control communicator (collectives, not tagged messages there):
 #: secure-aggregation traffic of the full passes, the full ϑ vector, and control words.
 AUDIT_CTRL_AGGREGATION = 0x1C5EC
 AUDIT_FULL_THETA = 0x1C7E7
 AUDIT_CONTROL_WORD = 0x1C0DE
-AUDIT_LABELS = (AUDIT_CTRL_AGGREGATION, AUDIT_FULL_THETA, AUDIT_CONTROL_WORD)
+#: --label-privacy he: a dominator's public key (control plane), and what a passive party learns from
+#: each batch once it removed its own mask: its block gradient Σ_i ϑ_i x_i (recorded so that attacks
+#: on the transcript see everything the party knows; nothing crosses under this label).
+AUDIT_HE_KEY = 0x1C4E0
+AUDIT_HE_GRADIENT = 0x1C4E6
+AUDIT_LABELS = (AUDIT_CTRL_AGGREGATION, AUDIT_FULL_THETA, AUDIT_CONTROL_WORD, AUDIT_HE_KEY, AUDIT_HE_GRADIENT)
 #: Largest message on the data communicator (the hot path sends B = 1 messages of a few words; the
 #: batched full passes use the collective library call on a separate communicator).
 MAX_MESSAGE_WORDS = 1 << 13
@@ -138,7 +149,8 @@ class PartyRuntime:
                  inflight: int = 1, straggler: int | None = None, slowdown: float = 0.0,
                  apply_delay: float = 0.0, peer_timeout: float = 30.0, link_delay: float = 0.0,
                  link_jitter: float = 0.0, keys: ChannelKeys | None = None,
-                 allow_two_parties: bool = False, audit: bool = False) -> None:
+                 allow_two_parties: bool = False, audit: bool = False, label_privacy: str = "none",
+                 he_scheme: str = "ou", he_key_bits: int = 2048) -> None:
         writers = getattr(party.rule, "writers", threads + 1)
         if writers < threads + 1:  # the dominator and each worker need their own writer slot
             raise ValueError(f"the update rule has {writers} writer slot(s); a party with {threads} "
@@ -177,6 +189,11 @@ class PartyRuntime:
         if audit:
             self.aggregator.transport = RecordingTransport(self.aggregator.transport)
         self.inbox = Inbox(self.q)
+        #: --label-privacy he: passive parties get ϑ only encrypted under the dominator's key
+        self.he = label_privacy == "he"
+        self.max_words = MAX_MESSAGE_WORDS
+        if self.he:
+            self._setup_he(he_scheme, he_key_bits)
         self.applied = np.zeros(self.q, dtype=np.int64)
         self.applied_cond = threading.Condition()
         self.sent = 0
@@ -247,7 +264,7 @@ class PartyRuntime:
         # by check_envelope, the contents by Inbox (ϑ, i; DONE) and AggregationNode.receive (with this
         # party's n_rows for REQUEST indices). A bad message raises ProtocolViolation naming the sender,
         # and _guard ends the job with it.
-        raw = np.empty(MAX_MESSAGE_WORDS + (0 if self.channels is None else OVERHEAD_WORDS), dtype=np.uint64)
+        raw = np.empty(self.max_words + (0 if self.channels is None else OVERHEAD_WORDS), dtype=np.uint64)
         status = MPI.Status()
         while True:
             try:
@@ -256,7 +273,7 @@ class PartyRuntime:
                 if error.Get_error_class() != MPI.ERR_TRUNCATE:
                     raise
                 raise ProtocolViolation(status.Get_source(), f"message (tag {status.Get_tag()})",
-                                        f"longer than {MAX_MESSAGE_WORDS} words, the largest message") \
+                                        f"longer than {self.max_words} words, the largest message") \
                     from None
             source, tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
             if self.channels is not None and source != self.rank:
@@ -266,7 +283,7 @@ class PartyRuntime:
                 nbytes = opened.size * 8
                 raw[:opened.size] = opened
             check_envelope(source, tag, nbytes, rank=self.rank, active_ranks=self.active_ranks,
-                           synchronous=self.synchronous)
+                           synchronous=self.synchronous, he=self.he)
             msg = raw[:nbytes // 8]
             self.last_heard[source] = time.monotonic()
             if self.transcript is not None:
@@ -293,6 +310,15 @@ class PartyRuntime:
                 self.applied_cond.notify_all()
         elif tag == TAG_ACK:
             self.acks.put(source)
+        elif tag == TAG_HE_BATCH:
+            seq, rows, payload = label_he.unpack_batch(source, msg, n_rows=self.party.block.n_rows,
+                                                       batch=self.batch_size)
+            self.inbox.next_sequence(source, seq, "encrypted batch")
+            self.queues[self.active_ranks.index(source) % len(self.queues)].put((source, rows, payload, seq))
+        elif tag == TAG_HE_MASKED:
+            self._decrypt_for(source, msg)
+        elif tag == TAG_HE_DECRYPTED:
+            self._he_replies[source].put(msg.copy())
         # TAG_HEARTBEAT: being heard from is all it says
 
     def _heartbeat_loop(self) -> None:
@@ -340,6 +366,8 @@ class PartyRuntime:
         kernel call (same order, same result), so the GIL-holding Python work per message stays
         small and k workers overlap in the ``nogil`` kernels."""
         party = self.party
+        if self.he and not party.active:
+            return self._he_worker_loop(inbox, writer)
         while True:
             batch = [inbox.get()]
             while len(batch) < WORKER_BATCH and not inbox.empty():
@@ -363,6 +391,80 @@ class PartyRuntime:
                         self.sender.send(np.zeros(1, np.uint64), source, TAG_ACK)
             if stopping:
                 return
+
+    # --------------------------------------------------------------------- --label-privacy he
+
+    def _setup_he(self, scheme: str, key_bits: int) -> None:
+        """Each dominator makes its key pair and gives every party its public key (collective, control
+        plane, buffers only); receive buffers grow to hold one encrypted batch."""
+        party = self.party
+        self._he_key = label_he.LabelKey(scheme, key_bits) if party.active else None
+        self._he_gradients: dict[int, label_he.BlockGradient] = {}
+        self._he_replies: dict[int, queue.SimpleQueue[np.ndarray]] = {r: queue.SimpleQueue()
+                                                                       for r in self.active_ranks}
+        self._he_answered = np.zeros(self.q, dtype=np.int64)  # per passive party: replies decrypted
+        for root in self.active_ranks:
+            mine = (np.frombuffer(self._he_key.public_bytes(), dtype=np.uint8)
+                    if self.rank == root and self._he_key is not None else None)
+            size = np.array([0 if mine is None else mine.size], dtype=np.int64)
+            self.ctrl.Bcast(size, root=root)
+            if not 0 < size[0] <= label_he.MAX_KEY_BYTES:
+                raise ProtocolViolation(root, "public key", f"announced {int(size[0])} bytes")
+            key = mine.copy() if mine is not None else np.empty(int(size[0]), dtype=np.uint8)
+            self.ctrl.Bcast(key, root=root)
+            self._record(root, AUDIT_HE_KEY, label_he.bytes_to_words(key.tobytes()))
+            if not party.active:
+                self._he_gradients[root] = label_he.BlockGradient(root, key.tobytes(), block=party.block,
+                                                                  scheme=scheme, key_bits=key_bits)
+        b = self.batch_size
+        self.max_words = max(MAX_MESSAGE_WORDS, 3 + b + label_he.ciphertext_limit(key_bits, b) // 8 + 1)
+
+    def _encrypt_batch(self, rows: np.ndarray, thetas: np.ndarray) -> np.ndarray:
+        """The encrypted (ϑ, i) batch for the passive parties, numbered like the plain broadcast."""
+        assert self._he_key is not None
+        try:
+            payload = self._he_key.encrypt(thetas)
+        except OverflowError as err:
+            stop_job(self.data, self.rank, "diverged", str(err))
+        return label_he.pack_batch(self.sent, rows, payload)
+
+    def _decrypt_for(self, source: int, msg: np.ndarray) -> None:
+        """Dominator: decrypt a passive party's masked batch gradient (its batches in order, each once)
+        and return it, still masked."""
+        assert self._he_key is not None
+        seq, payload = label_he.unpack_bytes(source, msg, "masked gradient")
+        expected = int(self._he_answered[source])
+        if seq != expected or seq >= self.sent:
+            raise ProtocolViolation(source, "masked gradient", f"for batch #{seq} where #{expected} was "
+                                    f"expected ({self.sent} sent)")
+        words = self._he_key.decrypt_masked(source, payload, self.batch_size)
+        self._he_answered[source] = expected + 1
+        self.sender.send(np.concatenate([np.array([seq], dtype=np.uint64), words]), source, TAG_HE_DECRYPTED)
+
+    def _he_worker_loop(self, inbox: queue.SimpleQueue, writer: int) -> None:
+        """Passive party: for each encrypted batch, in order, its masked encrypted block gradient to the
+        dominator, the decryption back, the mask off, one step (protocols/label_he.py)."""
+        party = self.party
+        while (item := inbox.get()) is not None:
+            source, rows, payload, seq = item
+            gradients = self._he_gradients[source]
+            masked = gradients.masked(payload, rows)
+            self.sender.send(label_he.pack_bytes(seq, masked), source, TAG_HE_MASKED)
+            reply = self._he_replies[source].get()
+            if reply.size < 1 or int(reply[0]) != seq:
+                raise ProtocolViolation(source, "decrypted gradient", f"is not the answer for batch #{seq}")
+            gradient = gradients.unmask(reply[1:])
+            self._record(source, AUDIT_HE_GRADIENT, gradient)
+            if self.apply_delay:
+                time.sleep(self.apply_delay)
+            started = time.perf_counter()
+            party.rule.apply_gradient(party.w, gradient)
+            self._straggle(started)
+            with self.applied_cond:
+                self.applied[source] += 1
+                self.applied_cond.notify_all()
+            if self.synchronous:
+                self.sender.send(np.zeros(1, np.uint64), source, TAG_ACK)
 
     # ------------------------------------------------------------------------------- dominated updates
 
@@ -432,9 +534,14 @@ class PartyRuntime:
                     self.max_unacked = max(self.max_unacked,
                                            done - (acked + self.acks.qsize()) // max(len(others), 1))
                 buf = pack(self.sent, step_rows, thetas)
+                sealed = (self._encrypt_batch(step_rows, thetas)
+                          if self.he and len(self.active_ranks) < self.q else None)
                 self.sent += 1
                 for dest in others:
-                    self.sender.send(buf, dest, TAG_THETA)
+                    if sealed is not None and dest not in self.active_ranks:
+                        self.sender.send(sealed, dest, TAG_HE_BATCH)
+                    else:
+                        self.sender.send(buf, dest, TAG_THETA)
             started = time.perf_counter()
             party.rule.apply(party.w, step_rows, thetas, writer=0)
             self._straggle(started)
@@ -577,7 +684,7 @@ class PartyRuntime:
 
 
 def check_envelope(source: int, tag: int, nbytes: int, *, rank: int, active_ranks: list[int],
-                   synchronous: bool) -> None:
+                   synchronous: bool, he: bool = False) -> None:
     """Check what MPI says about one data-plane message (sender, tag, size) before its words are read.
 
     Contents are checked by their own receivers (``Inbox``, ``AggregationNode.receive``); this catches
@@ -596,6 +703,12 @@ def check_envelope(source: int, tag: int, nbytes: int, *, rank: int, active_rank
         what, allowed, words = "STOP message", source == rank, 1
     elif tag == TAG_HEARTBEAT:
         what, allowed, words = "heartbeat", source != rank, 1
+    elif tag in (TAG_HE_BATCH, TAG_HE_DECRYPTED):  # dominator → passive party
+        what = "encrypted batch" if tag == TAG_HE_BATCH else "decrypted gradient"
+        allowed, words = he and source in active_ranks and rank not in active_ranks, None
+    elif tag == TAG_HE_MASKED:  # passive party → dominator
+        what, words = "masked gradient", None
+        allowed = he and source not in active_ranks and rank in active_ranks
     else:
         raise ProtocolViolation(source, "message", f"unknown tag {tag:#x}")
     if not allowed:

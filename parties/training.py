@@ -60,7 +60,8 @@ def train(comm: MPI.Comm, party: PartyState, config: RunConfig) -> TrainResult:
         peer_timeout=config.peer_timeout, link_delay=config.link_delay_ms / 1e3,
         link_jitter=config.link_jitter_ms / 1e3, keys=channel_keys(config, comm.Get_rank()),
         allow_two_parties=config.allow_two_parties,
-        audit=config.audit)
+        audit=config.audit, label_privacy=config.label_privacy, he_scheme=config.he_scheme,
+        he_key_bits=config.he_key_bits)
     result = _Trainer(runtime, config).run()
     runtime.close()
     if config.audit:

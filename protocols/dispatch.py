@@ -119,14 +119,20 @@ class Inbox:
             finite = np.isfinite(thetas)
             if not finite.all():
                 raise DispatchError(source, _WHAT, f"ϑ = {float(thetas[~finite][0])!r} is not finite")
+        self.next_sequence(source, seq)
+        return rows.astype(np.int64), thetas.copy()
+
+    def next_sequence(self, source: int, seq: int, what: str = _WHAT) -> None:
+        """Count a dispatch from ``source`` if ``seq`` is exactly the next number expected from it
+        (also for the encrypted batches of ``--label-privacy he``, which share the numbering)."""
+        self._check_source(source)
         expected = int(self.received[source])
         if seq != expected:
             kind = ("a duplicate or replay" if seq < expected
                     else "out of order or after a lost message")
-            raise DispatchError(source, _WHAT, f"sequence number #{seq} where #{expected} was expected "
-                                               f"({kind})")
+            raise DispatchError(source, what, f"sequence number #{seq} where #{expected} was expected "
+                                              f"({kind})")
         self.received[source] = expected + 1
-        return rows.astype(np.int64), thetas.copy()
 
     def done(self, source: int, buf: np.ndarray) -> int:
         """Validate a ``DONE`` message (one int64: how many (ϑ, i) ``source`` has sent in total).

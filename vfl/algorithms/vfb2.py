@@ -214,6 +214,16 @@ class SGDRule(UpdateRule):
     name = "sgd"
     _mode = kernels.MODE_SGD
 
+    def apply_gradient(self, w: np.ndarray, gradient_sum: np.ndarray) -> None:
+        """One step from the batch's summed block gradient Σ_b ϑ_b x_{i_b}: the step ``apply`` takes on
+        the batch's B pairs, for a party that learns only the sum (``--label-privacy he``). Eager only:
+        the lazy kernels' per-coordinate clocks count steps of (ϑ, i) pairs."""
+        if self.lazy:
+            raise RuntimeError("apply_gradient needs the eager kernels (lazy=False)")
+        if self.reg != kernels.REG_NONE:
+            w -= self.gamma * self.lam * self.regularizer.gradient(w)
+        w -= (self.gamma / self.batch_size) * gradient_sum
+
     def _apply_eager(self, w, rows, thetas):
         b = self.block
         kernels.sgd_apply(b.indptr, b.indices, b.data, w, rows, thetas, self.gamma, self.lam, self.reg,

@@ -1,0 +1,63 @@
+"""Run under ``mpiexec -n 3``: a ``--label-privacy he`` runtime (party 0 dominates, 1 and 2 are passive)
+where passive party 1 answers its second encrypted batch with a forged masked gradient.
+
+``argv[1]`` picks the forgery: ``wide`` (B well-formed ciphertexts, as many values as the batch has
+rows: decrypting them would let party 1 solve for the batch's ϑ) or ``garbage`` (bytes that are no
+ciphertext array). Party 0 must end the job naming party 1; without that, every rank closes normally
+and prints ``NOT REJECTED``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from parties.runtime import PartyRuntime, PartyState
+from vfl.algorithms.vfb2 import Block, get_rule
+from vfl.problems import get_problem
+
+N_ROWS, WIDTH, BATCH = 40, 3, 16
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    rng = np.random.default_rng(rank)
+    block = Block.from_matrix(rng.normal(size=(N_ROWS, WIDTH)))
+    problem = get_problem("logistic", lam=0.1)
+    active = rank == 0
+    rule = get_rule("sgd")(block, problem.regularizer, problem.lam, 0.05, writers=2, lazy=False,
+                           batch_size=BATCH)
+    party = PartyState(rank=rank, block=block, w=np.zeros(WIDTH), rule=rule,
+                       problem=problem if active else None,
+                       y=rng.choice([-1.0, 1.0], N_ROWS) if active else None)
+    runtime = PartyRuntime(comm, party, active_ranks=[0], threads=1, seed=0, batch_size=BATCH,
+                           label_privacy="he")
+    if rank == 1:
+        gradients = runtime._he_gradients[0]
+        honest, calls = gradients.masked, []
+
+        def forged(payload: bytes, rows: np.ndarray) -> bytes:
+            calls.append(1)
+            if len(calls) < 2:
+                return honest(payload, rows)
+            if scenario == "garbage":
+                return bytes(300)
+            return payload  # the dominator's own B ciphertexts: B values for a batch of B
+
+        gradients.masked = forged
+    if rank == 0:
+        runtime.dominate(4)
+        runtime.finish_segment()
+    runtime.drain()
+    time.sleep(2)
+    runtime.close()
+    print(f"NOT REJECTED {rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""``--label-privacy he``: exact within the fixed point, refused where a batch gradient would give ϑ
+away, the same training as plain mini-batch SGD, and a passive party's transcript holds no ϑ.
+
+One key pair for the unit tests (OU key generation takes 1-10 s on a loaded machine); the MPI tests
+share one HE job in sync mode, compared with plain mini-batch SGD on the same rows in one process.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from experiments.label_attacks import Transcript, attack_all
+from parties.config import ConfigError, RunConfig, check_he_batch, check_he_features, validate
+from parties.runtime import (
+    AUDIT_FULL_THETA,
+    AUDIT_HE_GRADIENT,
+    TAG_HE_BATCH,
+    TAG_HE_DECRYPTED,
+    TAG_HE_MASKED,
+    TAG_THETA,
+    check_envelope,
+)
+from protocols import label_he
+from protocols.errors import ProtocolViolation
+from tests.conftest import run_mpi
+from tests.test_runtime import CANCER, LAM, metrics, train
+from vfl.algorithms.vfb2 import Block
+from vfl.datasets import load
+from vfl.datasets.party_files import load_party_file
+from vfl.problems import get_problem
+
+# --------------------------------------------------------------------------------- the HE protocol
+
+
+@pytest.fixture(scope="module")
+def key():
+    return label_he.LabelKey("ou", 2048)
+
+
+def _block(rng, integral: bool) -> Block:
+    X = sp.random(60, 9, density=0.5, random_state=int(integral), format="csr")
+    X.data = rng.integers(1, 4, X.nnz).astype(float) if integral else rng.normal(0, 3, X.nnz)
+    X.data[X.indices == 3] = 0.0  # a column no row uses: its gradient must still come back (as 0)
+    X.eliminate_zeros()
+    return Block.from_matrix(X)
+
+
+@pytest.mark.parametrize("integral", [True, False])
+def test_round_trip_is_exact_within_the_fixed_point_resolution(key, integral):
+    rng = np.random.default_rng(3)
+    block = _block(rng, integral)
+    party = label_he.BlockGradient(0, key.public_bytes(), block=block)
+    rows = rng.integers(0, block.n_rows, 20)
+    thetas = rng.uniform(-1, 1, 20)
+    gradient = party.unmask(key.decrypt_masked(1, party.masked(key.encrypt(thetas), rows), batch=20))
+    X = block.to_csr()[rows]
+    # the only errors are the roundings of ϑ (and of non-integral x) to the fixed-point grid
+    quantised = np.rint(thetas * 2.0**label_he.THETA_BITS) / 2.0**label_he.THETA_BITS
+    if integral:
+        assert party.feature_bits == 0
+        assert np.array_equal(gradient, X.T @ quantised)  # exact: integers all the way
+    else:
+        tolerance = (20 * 2.0**-label_he.THETA_BITS * np.abs(X).max()
+                     + 20 * 2.0**-label_he.FEATURE_BITS)
+        assert np.max(np.abs(gradient - X.T @ thetas)) < tolerance
+    assert gradient.shape == (block.n_cols,) and gradient[3] == 0.0  # every column, also empty ones
+
+
+def test_the_active_party_sees_only_masked_values(key):
+    """Two batches with the same gradient decrypt to unrelated numbers: the mask is fresh each time."""
+    block = _block(np.random.default_rng(4), True)
+    party = label_he.BlockGradient(0, key.public_bytes(), block=block)
+    rows = np.arange(20)
+    payload = key.encrypt(np.full(20, 0.25))
+    first = key.decrypt_masked(1, party.masked(payload, rows), batch=20)
+    party.unmask(first)
+    second = key.decrypt_masked(1, party.masked(payload, rows), batch=20)
+    assert not np.array_equal(first, second)
+    # high words of (g + r) mod 2^128 spread over the whole range, as uniform words would
+    assert np.ptp(second[1::2].astype(np.float64)) > 2.0**60
+
+
+def test_a_bad_message_is_refused_naming_its_sender(key):
+    block = _block(np.random.default_rng(5), True)
+    party = label_he.BlockGradient(0, key.public_bytes(), block=block)
+    payload = key.encrypt(np.zeros(20))
+    with pytest.raises(ProtocolViolation, match="party 0 sent an invalid encrypted batch"):
+        party.masked(payload, np.arange(19))  # 20 ciphertexts for 19 rows
+    with pytest.raises(ProtocolViolation, match="party 0 sent an invalid encrypted batch"):
+        party.masked(b"\x93" + payload[1:-7], np.arange(20))
+    with pytest.raises(ProtocolViolation, match="party 2 sent an invalid masked gradient"):
+        key.decrypt_masked(2, b"not a ciphertext", batch=20)
+    words = label_he.pack_batch(0, np.array([0, 60]), b"xx")
+    with pytest.raises(ProtocolViolation, match=r"row 60 is not in 0\.\.59"):
+        label_he.unpack_batch(0, words, n_rows=60, batch=2)
+    with pytest.raises(ProtocolViolation, match="public key"):
+        label_he.BlockGradient(0, b"\x00" * 40, block=block)
+
+
+def test_the_active_party_never_decrypts_a_gradient_that_determines_theta(key):
+    """A gradient of B or more values is a system the passive party could solve for the batch's ϑ."""
+    block = _block(np.random.default_rng(6), True)  # 9 columns
+    party = label_he.BlockGradient(0, key.public_bytes(), block=block)
+    masked = party.masked(key.encrypt(np.zeros(9)), np.arange(9))
+    with pytest.raises(ProtocolViolation, match="9 values for a batch of 9"):
+        key.decrypt_masked(1, masked, batch=9)
+
+
+def test_he_messages_pass_the_envelope_only_in_he_mode_and_in_their_direction():
+    ok = dict(active_ranks=[0], synchronous=False, he=True)
+    check_envelope(0, TAG_HE_BATCH, 64, rank=1, **ok)  # dominator → passive party
+    check_envelope(0, TAG_HE_DECRYPTED, 64, rank=1, **ok)
+    check_envelope(1, TAG_HE_MASKED, 64, rank=0, **ok)  # passive party → dominator
+    for source, tag, rank, he in ((0, TAG_HE_BATCH, 1, False), (1, TAG_HE_BATCH, 2, True),
+                                  (1, TAG_HE_MASKED, 2, True), (0, TAG_HE_MASKED, 1, True)):
+        with pytest.raises(ProtocolViolation, match=f"party {source} may not send it to party {rank}"):
+            check_envelope(source, tag, 64, rank=rank, active_ranks=[0], synchronous=False, he=he)
+
+
+def test_he_mode_refuses_what_would_reveal_theta():
+    base = dict(dataset="breast-cancer", parties=3, active=1, algorithm="sgd", label_privacy="he",
+                batch_size=16)
+    validate(RunConfig(**base))  # breast-cancer: 30 features, widest block of 3 parties 10 columns
+    for bad, message in ((dict(batch_size=1), "at least 16"), (dict(batch_size=8), "at least 16"),
+                         (dict(algorithm="svrg"), "sgd only"), (dict(algorithm="saga"), "sgd only"),
+                         (dict(updates="lazy"), "eager"), (dict(he_key_bits=1024), "he-key-bits")):
+        with pytest.raises(ConfigError, match=message):
+            validate(RunConfig(**{**base, **bad}))
+    # a passive block of 40 columns: B = 40 would leave 40 equations for 40 unknowns
+    with pytest.raises(ConfigError, match=r"at least 41 here.*40 columns"):
+        check_he_batch(RunConfig(**{**base, "batch_size": 40}), 40)
+    check_he_batch(RunConfig(**{**base, "batch_size": 41}), 40)
+    with pytest.raises(ConfigError, match="scale the features"):
+        check_he_features(RunConfig(**base), [sp.csr_matrix(np.full((2, 2), 3e6))])
+
+
+# ------------------------------------------------------------------------------------- real jobs
+
+
+B, EPOCHS = 16, 1
+
+
+@pytest.fixture(scope="module")
+def he_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("he")
+    train(out, "-n", "3", "-m", "1", "--algorithm", "sgd", "--mode", "sync", "-B", str(B), "--epochs",
+          str(EPOCHS), "--label-privacy", "he", "--audit", *CANCER)
+    return out
+
+
+def plain_mini_batch_sgd(out) -> list[np.ndarray]:
+    """Plain mini-batch VFB²-SGD in one process on the job's own party files: the rows the dominator
+    (rank 0, seed 0) draws, ϑ in clear, every block stepped right away (what sync mode does)."""
+    parties = [load_party_file(out / "parties" / f"party-{r}.npz") for r in range(3)]
+    y, n = parties[0].y_train, parties[0].y_train.size
+    problem = get_problem("logistic", lam=LAM)
+    gamma = float(CANCER[CANCER.index("--gamma") + 1])
+    ws = [np.zeros(p.X_train.shape[1]) for p in parties]
+    for rows in np.random.default_rng([0, 0]).integers(0, n, size=(math.ceil(EPOCHS * n / B), B)):
+        theta = problem.theta(sum(p.X_train[rows] @ w for p, w in zip(parties, ws, strict=True)), y[rows])
+        for p, w in zip(parties, ws, strict=True):
+            w -= gamma * LAM * w  # λ∇g(w) for g = ||w||²/2, then the mean of the B loss parts
+            w -= gamma / B * (p.X_train[rows].T @ theta)
+    return ws
+
+
+@pytest.mark.mpi
+def test_he_training_equals_plain_mini_batch_training(he_run):
+    for rank, plain in enumerate(plain_mini_batch_sgd(he_run)):
+        he = np.load(he_run / f"party-{rank}.ckpt.npz")["w"]
+        assert np.max(np.abs(plain)) > 0.01
+        assert np.max(np.abs(he - plain)) < 1e-6, rank
+    assert metrics(he_run)[-1]["updates"] == math.ceil(EPOCHS * 455 / B)
+
+
+@pytest.mark.mpi
+def test_a_passive_party_receives_no_theta(he_run):
+    y = load("breast-cancer", seed=0).y_train
+    for passive in (1, 2):
+        t = Transcript.load(he_run / f"audit-{passive}.npz")
+        assert not t.of_tag(TAG_THETA) and not t.of_tag(AUDIT_FULL_THETA)
+        assert len(t.of_tag(TAG_HE_BATCH)) == len(t.of_tag(TAG_HE_DECRYPTED)) == len(
+            t.of_tag(AUDIT_HE_GRADIENT)) > 20
+        X = load_party_file(he_run / "parties" / f"party-{passive}.npz", expect_labels=False).X_train
+        found = attack_all(he_run / f"audit-{passive}.npz", y, X)
+        # the ϑ attacks have nothing to read: the party is left with the majority guess, chance
+        assert found["theta_sign"]["coverage"] == found["full_theta"]["coverage"] == 0.0
+        # what HE does not hide (docs/label-privacy.md): the batch gradients X_Bᵀϑ the party must
+        # learn to update its block; at w ≈ 0, ϑ ≈ −y/2 and their least-squares inversion recovers
+        # what the party's own features can predict of the labels
+        assert found["batch_gradient"]["accuracy"] > found["batch_gradient"]["majority"] + 0.2
+
+
+@pytest.mark.mpi
+def test_the_dominator_ends_the_job_rather_than_decrypt_a_gradient_that_reveals_theta():
+    """Passive party 1 answers an encrypted batch of B rows with B ciphertexts (from which it could
+    solve for ϑ once decrypted): the dominator refuses in a real job and names party 1. The same
+    script's ``garbage`` forgery is refused the same way (not run here: one job is enough for CI)."""
+    proc = run_mpi(3, ["tests/mpi_scripts/tamper_he.py", "wide"], timeout=180, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 139, -11) and "NOT REJECTED" not in output, output
+    assert "party 1 sent an invalid masked gradient: 16 values for a batch of 16" in output, output
