@@ -30,7 +30,7 @@ from tests.conftest import run_mpi
 from tests.test_runtime import CANCER, LAM, metrics, train
 from vfl.algorithms.vfb2 import Block
 from vfl.datasets import load
-from vfl.datasets.party_files import load_party_file
+from vfl.datasets.party_files import find_party_file, load_party_file
 from vfl.problems import get_problem
 
 # --------------------------------------------------------------------------------- the HE protocol
@@ -155,7 +155,7 @@ def he_run(tmp_path_factory):
 def plain_mini_batch_sgd(out) -> list[np.ndarray]:
     """Plain mini-batch VFB²-SGD in one process on the job's own party files: the rows the dominator
     (rank 0, seed 0) draws, ϑ in clear, every block stepped right away (what sync mode does)."""
-    parties = [load_party_file(out / "parties" / f"party-{r}.npz") for r in range(3)]
+    parties = [load_party_file(find_party_file(out / "parties", r)) for r in range(3)]
     y, n = parties[0].y_train, parties[0].y_train.size
     problem = get_problem("logistic", lam=LAM)
     gamma = float(CANCER[CANCER.index("--gamma") + 1])
@@ -185,7 +185,7 @@ def test_a_passive_party_receives_no_theta(he_run):
         assert not t.of_tag(TAG_THETA) and not t.of_tag(AUDIT_FULL_THETA)
         assert len(t.of_tag(TAG_HE_BATCH)) == len(t.of_tag(TAG_HE_DECRYPTED)) == len(
             t.of_tag(AUDIT_HE_GRADIENT)) > 20
-        X = load_party_file(he_run / "parties" / f"party-{passive}.npz", expect_labels=False).X_train
+        X = load_party_file(find_party_file(he_run / "parties", passive), expect_labels=False).X_train
         found = attack_all(he_run / f"audit-{passive}.npz", y, X)
         # the ϑ attacks have nothing to read: the party is left with the majority guess, chance
         assert found["theta_sign"]["coverage"] == found["full_theta"]["coverage"] == 0.0

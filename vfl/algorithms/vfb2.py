@@ -220,7 +220,7 @@ class SGDRule(UpdateRule):
         the lazy kernels' per-coordinate clocks count steps of (ϑ, i) pairs."""
         if self.lazy:
             raise RuntimeError("apply_gradient needs the eager kernels (lazy=False)")
-        if self.reg != kernels.REG_NONE:
+        if self.reg != REG_NONE:
             w -= self.gamma * self.lam * self.regularizer.gradient(w)
         w -= (self.gamma / self.batch_size) * gradient_sum
 
