@@ -7,13 +7,14 @@ import dataclasses
 import inspect
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from parties.config import ConfigError
-from parties.hfl.client_files import _inspect_client_files
+from parties.hfl.client_files import inspect_client_files
 from parties.hfl.wire import FLOAT_DTYPES
 from protocols.compression import Compressor, get_compressor
 from vfl.hfl import (
@@ -204,7 +205,8 @@ def validate(config: HflConfig) -> HflConfig:
     if c.model == "mlp" and (not c.hidden or min(c.hidden) < 1):
         raise ConfigError(f"--hidden must list positive layer widths (got {c.hidden})")
     build_algorithm(c)
-    n_features, n_classes = _inspect_client_files(c) if c.client_files else _inspect_dataset(c)
+    n_features, n_classes = (inspect_client_files(Path(c.client_files), c.processes, c.clients)
+                             if c.client_files else _inspect_dataset(c))
     if (c.model == "least-squares") != (n_classes == 0):
         data_kind = "regression targets" if n_classes == 0 else "class labels"
         raise ConfigError(f"--model {c.model} does not fit data with {data_kind}: use "

@@ -29,12 +29,9 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, Self, TypeVar, runtime_checkable
+from typing import ClassVar, Generic, Protocol, Self, TypeVar, runtime_checkable
 
 import torch
-
-if TYPE_CHECKING:
-    from vfl.hfl.engine import LocalSolver
 
 
 def wire_bits(values: torch.Tensor) -> int:
@@ -168,6 +165,29 @@ class InitContext:
     minibatch_local_gradients: Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class LocalResult:
+    """End of the local loop: final local models ``y [S, d]`` and the mean raw minibatch gradient
+    ḡ = (1/K) Σ_k g^k ``[S, d]`` (accumulated, not recovered from (x − y)/(η_l K), which loses precision
+    in float32)."""
+
+    y: torch.Tensor
+    grad_mean: torch.Tensor
+
+
+class Solver(Protocol):
+    """Local training of the round's sampled clients, as algorithms call it
+    (:class:`vfl.hfl.engine.LocalSolver` is the implementation)."""
+
+    def gradient(self, Y: torch.Tensor) -> torch.Tensor:
+        """Minibatch gradient ``[S, d]`` at the rows of ``Y``, on a fresh minibatch per client."""
+        ...
+
+    def run(self, x: torch.Tensor, correction: torch.Tensor | None = None) -> LocalResult:
+        """K local SGD steps from ``x``, each shifted by ``−η_l·correction`` (constant in the round)."""
+        ...
+
+
 class RoundContext(Protocol):
     """What a client step sees: the round's sampled clients, the shared hyper-parameters, the local
     solver bound to their data, and a compression channel bound to their own random streams."""
@@ -175,7 +195,7 @@ class RoundContext(Protocol):
     round: int
     clients: torch.Tensor
     config: FLConfig
-    solver: LocalSolver
+    solver: Solver
 
     def compress(self, compressor: Compressor, X: torch.Tensor) -> Message:
         """Compress row j of ``X`` with client ``clients[j]``'s own generator; returns the decoded rows

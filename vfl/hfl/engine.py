@@ -42,6 +42,7 @@ from vfl.hfl.base import (
     Downlink,
     FLConfig,
     InitContext,
+    LocalResult,
     Message,
     wire_bits,
 )
@@ -50,15 +51,6 @@ from vfl.hfl.models import BatchedModel
 
 METRIC_COLUMNS = ("round", "local_loss", "uplink_bits", "downlink_bits", "round_seconds",
                   "train_loss", "train_accuracy", "test_loss", "test_accuracy", "gradient_evaluations")
-
-
-@dataclass(frozen=True)
-class LocalResult:
-    """End of the local loop: final local models ``y [S, d]`` and the mean raw minibatch gradient
-    ḡ = (1/K) Σ_k g^k ``[S, d]`` (accumulated, not recovered from (x − y)/(η_l K): spec trap T9)."""
-
-    y: torch.Tensor
-    grad_mean: torch.Tensor
 
 
 class LocalSolver:

@@ -35,12 +35,12 @@ from vfl.hfl.base import (
     Downlink,
     FLConfig,
     InitContext,
+    LocalResult,
     Message,
     RoundContext,
     Uplink,
     VectorState,
 )
-from vfl.hfl.engine import LocalResult
 from vfl.hfl.scaffold import ControlInit, check_cv_init, initial_controls
 
 

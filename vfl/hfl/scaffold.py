@@ -30,6 +30,7 @@ from vfl.hfl.base import (
     Downlink,
     FLConfig,
     InitContext,
+    LocalResult,
     Message,
     RoundContext,
     ServerControl,
@@ -37,7 +38,6 @@ from vfl.hfl.base import (
     VectorState,
     zeros_like_clients,
 )
-from vfl.hfl.engine import LocalResult
 
 ControlInit = Literal["zeros", "full_grad", "minibatch"]
 CONTROL_INITS = ("zeros", "full_grad", "minibatch")
