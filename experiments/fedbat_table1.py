@@ -40,9 +40,9 @@ import torch
 
 from protocols.compression import get_compressor
 from vfl.datasets import load
-from vfl.hfl import FederatedData, MetricsLog, dirichlet_partition, iid_partition
+from vfl.hfl import FederatedData, MetricsLog, dirichlet_partition, iid_partition, labels_per_client_partition
 from vfl.hfl.cnn import Table4CNN
-from vfl.hfl.fedbat import FedBAT, FederatedCNN, LocalTraining, Method, labels_per_client_partition
+from vfl.hfl.fedbat import FedBAT, FederatedCNN, LocalTraining, Method
 from vfl.hfl.fedpaq import FedPAQ
 from vfl.hfl.signsgd import (
     EFSignSGD,

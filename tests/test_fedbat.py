@@ -21,9 +21,9 @@ from vfl.hfl.fedbat import (
     LocalTraining,
     Upload,
     aggregate,
-    labels_per_client_partition,
 )
 from vfl.hfl.fedpaq import FedPAQ
+from vfl.hfl.partitions import labels_per_client_partition
 from vfl.hfl.signsgd import (
     EFSignSGD,
     FedPAQUpdate,

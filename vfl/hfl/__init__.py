@@ -23,7 +23,7 @@ from vfl.hfl.base import (
     ServerModel,
     VectorState,
 )
-from vfl.hfl.data import FederatedData, dirichlet_partition, iid_partition, shard_partition
+from vfl.hfl.data import FederatedData
 from vfl.hfl.engine import FederatedSimulation, LocalSolver, MetricsLog
 from vfl.hfl.fed_ef import FedEF
 from vfl.hfl.fedavg import FedAvg
@@ -32,6 +32,13 @@ from vfl.hfl.fedpaq import FedPAQ
 from vfl.hfl.isca import Isca
 from vfl.hfl.iscam import Iscam
 from vfl.hfl.models import MLP, LeastSquares, least_squares_optimum, softmax_regression
+from vfl.hfl.partitions import (
+    dirichlet_partition,
+    iid_partition,
+    imbalanced_st_indices,
+    labels_per_client_partition,
+    shard_partition,
+)
 from vfl.hfl.scafcom import Scafcom
 from vfl.hfl.scaffold import Scaffold, ScaffoldTwoVector
 from vfl.hfl.scallion import Scallion
@@ -55,9 +62,38 @@ def make_algorithm(name: str, **options: Any) -> Algorithm[Any, Any]:
 
 
 __all__ = [
-    "ALGORITHMS", "MLP", "Algorithm", "Compressor", "FLConfig", "FedAvg", "FedComGate", "FedEF", "FedPAQ",
-    "FederatedData", "FederatedSimulation", "InitContext", "Isca", "Iscam", "LeastSquares", "LocalSolver",
-    "Message", "MetricsLog", "RoundContext", "Scafcom", "Scaffold", "ScaffoldTwoVector", "Scallion",
-    "ServerControl", "ServerModel", "VectorState", "dirichlet_partition", "iid_partition",
-    "least_squares_optimum", "make_algorithm", "shard_partition", "softmax_regression",
+    "ALGORITHMS",
+    "MLP",
+    "Algorithm",
+    "Compressor",
+    "FLConfig",
+    "FedAvg",
+    "FedComGate",
+    "FedEF",
+    "FedPAQ",
+    "FederatedData",
+    "FederatedSimulation",
+    "InitContext",
+    "Isca",
+    "Iscam",
+    "LeastSquares",
+    "LocalSolver",
+    "Message",
+    "MetricsLog",
+    "RoundContext",
+    "Scafcom",
+    "Scaffold",
+    "ScaffoldTwoVector",
+    "Scallion",
+    "ServerControl",
+    "ServerModel",
+    "VectorState",
+    "dirichlet_partition",
+    "iid_partition",
+    "imbalanced_st_indices",
+    "labels_per_client_partition",
+    "least_squares_optimum",
+    "make_algorithm",
+    "shard_partition",
+    "softmax_regression",
 ]

@@ -379,35 +379,3 @@ class FederatedCNN:
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise FloatingPointError(f"{self.method.name}: global '{name}' became non-finite at round "
                                          f"{self.round + 1} (diverged): lower the local learning rate")
-
-
-def labels_per_client_partition(labels: np.ndarray, n_clients: int, labels_per_client: int,
-                                rng: np.random.Generator) -> list[np.ndarray]:
-    """The paper's Non-IID-2 split: every client holds exactly ``labels_per_client`` classes.
-
-    Decision (FedBAT-spec §6.3): labels are assigned as in the authors' code, balanced (each client in a
-    random order takes the least-used classes, ties broken at random), so every class is used and, for
-    FMNIST with N = 100 and 3 labels, has 30 holders; each class's rows are then shuffled and split equally
-    among its holders. The paper's "random labels" could leave a class unused.
-    """
-    labels = np.asarray(labels)
-    classes = np.unique(labels)
-    if not 1 <= labels_per_client <= classes.size:
-        raise ValueError(f"labels_per_client must be in [1, {classes.size}], got {labels_per_client}")
-    if n_clients < 1:
-        raise ValueError(f"n_clients must be >= 1, got {n_clients}")
-    usage = np.zeros(classes.size, dtype=np.int64)
-    holders: list[list[int]] = [[] for _ in classes]
-    for client in rng.permutation(n_clients):
-        tie_break = rng.random(classes.size)
-        for c in np.lexsort((tie_break, usage))[:labels_per_client]:
-            holders[c].append(int(client))
-            usage[c] += 1
-    parts: list[list[np.ndarray]] = [[] for _ in range(n_clients)]
-    for c, owners in enumerate(holders):
-        rows = rng.permutation(np.flatnonzero(labels == classes[c]))
-        if owners and rows.size < len(owners):
-            raise ValueError(f"class {classes[c]} has {rows.size} rows for {len(owners)} clients")
-        for client, piece in zip(owners, np.array_split(rows, len(owners)), strict=True):
-            parts[client].append(piece)
-    return [np.sort(np.concatenate(p)) for p in parts]
