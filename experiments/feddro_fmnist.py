@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from vfl.datasets import load
-from vfl.hfl.data import FederatedData, iid_partition, shard_partition
+from vfl.hfl.data import FederatedData
 from vfl.hfl.dro_objectives import ERM, KLDRO, LossComposition
 from vfl.hfl.feddro import (
     CompositionalSimulation,
@@ -52,9 +52,9 @@ from vfl.hfl.feddro import (
     FederatedDRO,
     StepDecay,
     TorchModel,
-    imbalanced_st_indices,
     mlp,
 )
+from vfl.hfl.partitions import iid_partition, imbalanced_st_indices, shard_partition
 
 PARTS = ("main", "period", "clients", "ablation")
 

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from protocols.compression import get_compressor
+from protocols.compression.layers import LayerCodec
 from vfl.hfl import FederatedData
-from vfl.hfl.binarize import BinarizeUpdate, binarize, decode_signs, encode_signs, step_size
+from vfl.hfl.binarize import BinarizeUpdate, binarize, step_size
 from vfl.hfl.cnn import ResNet10, Table4CNN, binarized_names
 from vfl.hfl.fedbat import (
     FedBAT,
@@ -21,9 +22,9 @@ from vfl.hfl.fedbat import (
     LocalTraining,
     Upload,
     aggregate,
-    labels_per_client_partition,
 )
 from vfl.hfl.fedpaq import FedPAQ
+from vfl.hfl.partitions import labels_per_client_partition
 from vfl.hfl.signsgd import (
     EFSignSGD,
     FedPAQUpdate,
@@ -34,6 +35,7 @@ from vfl.hfl.signsgd import (
 )
 
 D64 = torch.float64
+CODEC = LayerCodec()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -171,15 +173,15 @@ def test_payload_roundtrip_and_size_of_the_paper_cnn() -> None:
     gen = torch.Generator().manual_seed(0)
     bits = [torch.rand(s, generator=gen) < 0.5 for s in shapes]
     alphas = [0.01, 0.02, 0.003, 0.5, 1e-4]
-    payload = encode_signs(bits, alphas)
+    payload = CODEC.encode_signs(bits, alphas)
     assert 8 * len(payload) == 389_920 + 5 * 32
-    signs, sent = decode_signs(payload, shapes, 5)
+    signs, sent = CODEC.decode_signs(payload, shapes, 5)
     assert all(torch.equal(s > 0, b) for s, b in zip(signs, bits, strict=True))
     torch.testing.assert_close(sent, torch.tensor(alphas, dtype=torch.float32), atol=0, rtol=0)
     bn = sum(p.numel() for n, p in model.named_parameters() if n not in binarized_names(model))
     assert bn == 960
     with pytest.raises(ValueError, match="need"):
-        decode_signs(payload[:-1], shapes, 5)
+        CODEC.decode_signs(payload[:-1], shapes, 5)
 
 
 def test_resnet10_matches_table4_sizes() -> None:
@@ -217,7 +219,7 @@ def test_warmup_is_fedavg_and_alpha_prime_is_mean_abs_update() -> None:
     frozen = {k: v.clone() for k, v in state.items()}
     fedavg = LocalTrainer(model, data, LocalTraining(epochs=2, batch_size=16, lr=0.1))
     reference = fedavg.train(state, 1, torch.Generator().manual_seed(7))
-    bat = FedBAT(rho=6.0, phi=0.5)
+    bat = FedBAT(CODEC, rho=6.0, phi=0.5)
     trainer = LocalTrainer(model, data, LocalTraining(epochs=4, batch_size=16, lr=0.1))
     upload = bat.client(trainer, state, 1, torch.Generator().manual_seed(7), torch.Generator().manual_seed(1))
     expected = [float(u.abs().mean()) for u in reference.update]
@@ -233,7 +235,7 @@ def test_clients_are_stateless_and_reproducible() -> None:
     model, data = toy_model(), toy_data()
     state = global_state(model)
     trainer = LocalTrainer(model, data, LocalTraining(epochs=2, batch_size=16, lr=0.1))
-    bat = FedBAT()
+    bat = FedBAT(CODEC)
     runs = [bat.client(trainer, state, 0, torch.Generator().manual_seed(3), torch.Generator().manual_seed(4))
             for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(runs[0].update, runs[1].update, strict=True))
@@ -243,10 +245,10 @@ def test_clients_are_stateless_and_reproducible() -> None:
 def test_rho_zero_keeps_alpha_at_alpha_prime_and_phi_zero_uses_the_guard() -> None:
     model, data = toy_model(), toy_data()
     trainer = LocalTrainer(model, data, LocalTraining(epochs=2, batch_size=16, lr=0.1))
-    up = FedBAT(rho=0.0).client(trainer, global_state(model), 0, torch.Generator().manual_seed(0),
+    up = FedBAT(CODEC, rho=0.0).client(trainer, global_state(model), 0, torch.Generator().manual_seed(0),
                                 torch.Generator().manual_seed(0))
     np.testing.assert_allclose(up.info["alpha"], up.info["alpha_prime"], rtol=1e-6)
-    up = FedBAT(phi=0.0).client(trainer, global_state(model), 0, torch.Generator().manual_seed(0),
+    up = FedBAT(CODEC, phi=0.0).client(trainer, global_state(model), 0, torch.Generator().manual_seed(0),
                                 torch.Generator().manual_seed(0))
     assert up.info["eps_guard_layers"] == [3.0]                 # m = 0 at s = 0 in all three layers
     assert all(math.isfinite(a) for a in up.info["alpha"])
@@ -286,7 +288,7 @@ def test_simulation_learns_is_reproducible_and_counts_real_bits() -> None:
     data = toy_data(n_clients=6)
     records = []
     for _ in range(2):
-        sim = FederatedCNN(FedBAT(), toy_model(), data, clients_per_round=2,
+        sim = FederatedCNN(FedBAT(CODEC), toy_model(), data, clients_per_round=2,
                            training=LocalTraining(epochs=2, batch_size=16, lr=0.1), seed=0,
                            test=(data.X, data.y))
         records.append(sim.run(4, eval_every=4))
@@ -321,13 +323,13 @@ def updates(seed: int = 0) -> list[torch.Tensor]:
 
 def test_signsgd_family_outputs_and_bits() -> None:
     gen = torch.Generator().manual_seed(0)
-    sent, bits = SignSGD(0.001).compress(updates(), SHAPES, 0, gen)
+    sent, bits = SignSGD(CODEC, 0.001).compress(updates(), SHAPES, 0, gen)
     assert bits == 8 * math.ceil(19 / 8)
     assert all(torch.equal(s, 0.001 * torch.sign(u)) for s, u in zip(sent, updates(), strict=True))
-    for method in (NoisySignSGD(0.01, 0.01), StocSignSGD(0.01)):
+    for method in (NoisySignSGD(CODEC, 0.01, 0.01), StocSignSGD(CODEC, 0.01)):
         sent, bits = method.compress(updates(), SHAPES, 0, gen)
         assert bits == 24 and all(torch.equal(s.abs(), torch.full_like(s, 0.01)) for s in sent)
-    sent, bits = FullPrecisionUpdate().compress(updates(), SHAPES, 0, gen)
+    sent, bits = FullPrecisionUpdate(CODEC).compress(updates(), SHAPES, 0, gen)
     assert bits == 32 * 19 and all(torch.equal(s, u) for s, u in zip(sent, updates(), strict=True))
 
 
@@ -336,16 +338,16 @@ def test_noisy_and_stochastic_sign_probabilities() -> None:
     values = torch.tensor([-0.01, 0.0, 0.005, 0.02])
     m = values.repeat(n)                  # n independent draws per value in one message
     gen = torch.Generator().manual_seed(0)
-    noisy = NoisySignSGD(1.0, 0.01).compress([m], [m.shape], 0, gen)[0][0].view(n, 4)
+    noisy = NoisySignSGD(CODEC, 1.0, 0.01).compress([m], [m.shape], 0, gen)[0][0].view(n, 4)
     phi = torch.distributions.Normal(0.0, 1.0).cdf(values / 0.01)
     assert float(((noisy > 0).float().mean(0) - phi).abs().max()) < 0.015
-    stoc = StocSignSGD(1.0).compress([m], [m.shape], 0, gen)[0][0].view(n, 4)
+    stoc = StocSignSGD(CODEC, 1.0).compress([m], [m.shape], 0, gen)[0][0].view(n, 4)
     assert float(((stoc > 0).float().mean(0) - (0.5 + values / 0.04)).abs().max()) < 0.015
     assert float((stoc.mean(0) * 0.02 - values).abs().max()) < 0.0005       # E[‖m‖∞·b] = m
 
 
 def test_ef_signsgd_error_memory_telescopes_and_is_per_client() -> None:
-    ef = EFSignSGD()
+    ef = EFSignSGD(CODEC)
     gen = torch.Generator()
     total_sent = [torch.zeros(s) for s in SHAPES]
     total_update = [torch.zeros(s) for s in SHAPES]
@@ -362,7 +364,7 @@ def test_ef_signsgd_error_memory_telescopes_and_is_per_client() -> None:
 
 
 def test_fedpaq_adapter_uses_the_injected_unbiased_quantizer() -> None:
-    method = FedPAQUpdate(FedPAQ(get_compressor("dithering", levels=7)))
+    method = FedPAQUpdate(CODEC, FedPAQ(get_compressor("dithering", levels=7)))
     m = updates()
     gen = torch.Generator().manual_seed(0)
     mean = [torch.zeros(s) for s in SHAPES]
@@ -376,7 +378,8 @@ def test_fedpaq_adapter_uses_the_injected_unbiased_quantizer() -> None:
 
 def test_every_method_trains_and_fedavg_matches_the_plain_trainer() -> None:
     data = toy_data(n_clients=4)
-    for method in (FullPrecisionUpdate(), SignSGD(), EFSignSGD(), NoisySignSGD(), StocSignSGD(), FedBAT()):
+    for cls in (FullPrecisionUpdate, SignSGD, EFSignSGD, NoisySignSGD, StocSignSGD, FedBAT):
+        method = cls(CODEC)
         sim = FederatedCNN(method, toy_model(), data, clients_per_round=2,
                            training=LocalTraining(epochs=1, batch_size=32, lr=0.1), seed=1)
         start = {k: v.clone() for k, v in sim.state.items()}
@@ -386,13 +389,24 @@ def test_every_method_trains_and_fedavg_matches_the_plain_trainer() -> None:
 
 def test_invalid_hyperparameters_are_rejected() -> None:
     with pytest.raises(ValueError, match="phi"):
-        FedBAT(phi=1.0)
+        FedBAT(CODEC, phi=1.0)
     with pytest.raises(ValueError, match="rho"):
-        FedBAT(rho=-1.0)
+        FedBAT(CODEC, rho=-1.0)
     with pytest.raises(ValueError, match="upload"):
-        FedBAT(upload="mean")
+        FedBAT(CODEC, upload="mean")
     with pytest.raises(ValueError, match="alpha"):
-        SignSGD(alpha=0.0)
+        SignSGD(CODEC, alpha=0.0)
+    with pytest.raises(TypeError, match="LayerCodec"):
+        SignSGD(get_compressor("sign"))
+
+
+def test_float_messages_roundtrip_exactly_and_wrong_lengths_are_rejected() -> None:
+    payload = CODEC.encode_floats(updates())
+    assert 8 * len(payload) == 32 * 19
+    decoded = CODEC.decode_floats(payload, SHAPES)
+    assert all(torch.equal(a, b) for a, b in zip(decoded, updates(), strict=True))
+    with pytest.raises(ValueError, match="need 76 bytes"):
+        CODEC.decode_floats(payload + b"\0", SHAPES)
 
 
 # ---------------------------------------------------------------- experiment smoke (--quick)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from protocols.compression import get_compressor
+from protocols.compression import Payload, get_compressor
 from vfl.hfl import FedAvg, FedComGate, FederatedData, FederatedSimulation, FLConfig, LeastSquares
 from vfl.hfl.base import Algorithm
 
@@ -109,11 +109,13 @@ class RecordingCompressor:
         self.unbiased = inner.unbiased
         self.error_sum = torch.zeros(DIM, dtype=torch.float64)
 
-    def roundtrip_batch(self, X: torch.Tensor, generators: Sequence[torch.Generator]
-                        ) -> tuple[torch.Tensor, list[int]]:
-        decoded, bits = self.inner.roundtrip_batch(X, generators)
-        self.error_sum += (X - decoded).sum(dim=0)
-        return decoded, bits
+    def compress_batch(self, X: torch.Tensor, generators: Sequence[torch.Generator]) -> list[Payload]:
+        payloads = self.inner.compress_batch(X, generators)
+        self.error_sum += (X - self.inner.decompress_batch(payloads)).sum(dim=0)
+        return payloads
+
+    def decompress_batch(self, payloads: Sequence[Payload]) -> torch.Tensor:
+        return self.inner.decompress_batch(payloads)
 
 
 @pytest.mark.parametrize("compressor", ["identity", "dithering"])

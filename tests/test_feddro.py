@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import requires_dataset
-from vfl.hfl.data import FederatedData, shard_partition
+from vfl.hfl.data import FederatedData
 from vfl.hfl.dro_objectives import (
     ERM,
     KLDRO,
@@ -26,10 +26,10 @@ from vfl.hfl.feddro import (
     FedDRO,
     FederatedDRO,
     StepDecay,
-    imbalanced_st_indices,
     mlp,
     small_cnn,
 )
+from vfl.hfl.partitions import imbalanced_st_indices, shard_partition
 
 P2_X0 = torch.tensor([2.0, 2.0], dtype=torch.float64)
 ROWS = 10
@@ -478,7 +478,7 @@ def test_st_indices_keep_the_last_rows_of_the_first_half_of_the_classes():
 @requires_dataset("fashion-mnist")
 def test_fashion_mnist_st_has_the_paper_construction():
     from vfl.datasets import load
-    from vfl.hfl.data import iid_partition
+    from vfl.hfl.partitions import iid_partition
     ds = load("fashion-mnist")
     kept = imbalanced_st_indices(ds.y_train)
     counts = np.bincount(ds.y_train[kept], minlength=10)

@@ -227,7 +227,7 @@ def test_bad_options_are_clear_errors() -> None:
         Scafcom(get_compressor("identity"), beta=1.5)
     with pytest.raises(ValueError, match="unbiased"):
         Scallion(get_compressor("top-r", r=0.1), allow_biased=False)
-    with pytest.raises(TypeError, match="roundtrip_batch"):
+    with pytest.raises(TypeError, match="compress_batch"):
         FedEF(compressor="top-r")
     with pytest.raises(ValueError, match="cv_init"):
         Scaffold(cv_init="ones")

@@ -368,6 +368,6 @@ def test_registry_and_bad_options_are_clear_errors() -> None:
         FedPAQ(get_compressor("top-r", r=0.1))
     with pytest.raises(ValueError, match="cv_init"):
         Isca(cv_init="ones")
-    with pytest.raises(TypeError, match="roundtrip_batch"):
+    with pytest.raises(TypeError, match="compress_batch"):
         FedPAQ("dithering")
     assert Iscam(DITHER2).describe()["u_update"] == "compressed"

@@ -20,16 +20,18 @@ from parties.hfl import (
     HflConfig,
     build_algorithm,
     build_model,
+    build_parser,
     client_blocks,
+    from_args,
     load_training_data,
     main,
     validate,
     write_client_files,
 )
-from parties.hfl.wire import WireError, decode_uplink, encode_compressed, pack_vectors, unpack_vectors
+from parties.hfl.wire import WireError, decode_uplink, encode_uplink, pack_vectors, unpack_vectors
 from protocols.compression import get_compressor
 from tests.conftest import REPO_ROOT, run_mpi
-from vfl.hfl import FederatedSimulation
+from vfl.hfl import FederatedSimulation, Message
 
 SMALL = HflConfig(dataset="digits", model="softmax", dtype="float64", clients=6, per_round=3, local_steps=3,
                   batch_size=8, rounds=5, eval_every=2, processes=2, lr_local=0.2, progress=False,
@@ -38,11 +40,15 @@ SMALL = HflConfig(dataset="digits", model="softmax", dtype="float64", clients=6,
 CASES: dict[str, dict[str, object]] = {
     # S = 1: every round one client process sits out and must catch up on the shared minibatch stream
     "fedavg": {"algorithm": "fedavg", "per_round": 1, "seed": 1},
-    "scaffold": {"algorithm": "scaffold", "per_round": 2, "cv_init": "minibatch"},
-    "scafcom-top-r": {"algorithm": "scafcom", "compressor": "top-r:r=0.1", "beta": 0.3,
-                      "cv_init": "full_grad"},
-    "scallion-dithering-files": {"algorithm": "scallion", "compressor": "dithering:bits=2", "alpha": 0.5},
+    "scaffold": {"algorithm": "scaffold", "per_round": 2, "options": {"cv_init": "minibatch"}},
+    "scafcom-top-r": {"algorithm": "scafcom", "compressor": "top-r:r=0.1",
+                      "options": {"beta": "0.3", "cv_init": "full_grad"}},
+    "scallion-dithering-files": {"algorithm": "scallion", "compressor": "dithering:bits=2",
+                                 "options": {"alpha": "0.5"}},
     "fedcomgate-reply": {"algorithm": "fedcomgate", "compressor": "dithering:bits=3"},
+    # two compressed messages a client, and options that only the options dataclass declares
+    "iscam-options": {"algorithm": "iscam", "compressor": "dithering:bits=2",
+                      "options": {"beta1": "0.3", "beta2": "0.5", "u_update": "uncompressed_literal"}},
 }
 
 
@@ -130,6 +136,13 @@ def test_killed_client_rank_ends_the_job_with_a_message(tmp_path: Path) -> None:
     (["--algorithm", "scafcom"], "scafcom needs --compressor"),
     (["--algorithm", "fedavg", "--beta", "0.2"], "--beta does not apply to fedavg"),
     (["--algorithm", "scafcom", "--compressor", "top-r:q=3"], "bad parameters for compressor 'top-r'"),
+    (["--algorithm", "fedavg", "--beta1", "0.3"], "--beta1 does not apply to fedavg"),
+    (["--algorithm", "iscam", "--compressor", "identity", "--beta1", "2"], "ISCAM beta1 must be in (0, 1]"),
+    (["--algorithm", "iscam", "--compressor", "identity", "--beta2", "x"], "--beta2 'x': expected a number"),
+    (["--algorithm", "iscam", "--compressor", "identity", "--u-update", "exact"],
+     "--u-update 'exact': choose one of compressed, uncompressed_literal"),
+    (["--algorithm", "scallion", "--compressor", "top-r:r=0.1", "--allow-biased", "no"],
+     "scallion needs an unbiased compressor"),
     (["--clients", "4", "--per-round", "5"], "--per-round"),
     (["--clients", "4", "--per-round", "2", "--processes", "5"], "every client process must host"),
     (["--model", "least-squares"], "--model least-squares does not fit data with class labels"),
@@ -161,19 +174,39 @@ def test_client_files_hold_each_client_once_and_are_checked(tmp_path: Path,
     assert "federation of 7 clients, but --clients is 8" in capsys.readouterr().err
 
 
+def test_every_iscam_option_reaches_the_algorithm_from_the_command_line() -> None:
+    args = ["--algorithm", "iscam", "--compressor", "dithering:bits=2", "--beta1", "0.3", "--beta2", "0.5",
+            "--u-update", "uncompressed_literal", "--cv-init", "zeros", "--allow-biased", "false"]
+    config = from_args(build_parser().parse_args(args))
+    assert HflConfig.from_json(config.to_json()) == config            # what every rank reads back
+    algorithm = build_algorithm(config)
+    assert (algorithm.beta1, algorithm.beta2, algorithm.u_update, algorithm.cv_init, algorithm.allow_biased) \
+        == (0.3, 0.5, "uncompressed_literal", "zeros", False)
+    assert algorithm.compressor == get_compressor("dithering", bits=2)
+
+
 def test_uplink_decoding_rejects_a_body_that_does_not_match_its_layout() -> None:
     top = get_compressor("top-r", r=0.25)
     rows = torch.randn(2, 16, dtype=torch.float64)
-    payloads = [top.compress(row) for row in rows]
-    entry, chunks = encode_compressed("delta", "compressor", payloads)
-    body = np.frombuffer(b"".join(chunks), dtype=np.uint8)
-    parts = decode_uplink([entry], body, {"compressor": top}, torch.float64)
-    assert parts["delta"].bits == [p.nbits for p in payloads]
-    torch.testing.assert_close(parts["delta"].values, torch.stack([top.decompress(p) for p in payloads]))
+    generators = [torch.Generator().manual_seed(s) for s in range(2)]
+    up = {"delta": Message.compressed(top, rows, generators), "x": Message.full_precision(rows)}
+    entries, chunks = encode_uplink(up, top)
+    body = np.frombuffer(chunks, dtype=np.uint8)
+    parts = decode_uplink(entries, body, top, 16, torch.float64)
+    assert parts["delta"].payloads == up["delta"].payloads and parts["x"].payloads is None
+    for key in up:
+        assert parts[key].bits == up[key].bits
+        torch.testing.assert_close(parts[key].values, up[key].values, rtol=0, atol=0)
     with pytest.raises(WireError, match="accounts for"):
-        decode_uplink([entry], body[:-1], {"compressor": top}, torch.float64)
-    with pytest.raises(WireError, match="not a compressor of this algorithm"):
-        decode_uplink([entry], body, {}, torch.float64)
+        decode_uplink(entries, body[:-1], top, 16, torch.float64)
+    with pytest.raises(WireError, match="full precision only"):
+        decode_uplink(entries, body, None, 16, torch.float64)
+    with pytest.raises(WireError, match="rows of"):
+        decode_uplink(entries[1:], body[-2 * 16 * 8:], top, 17, torch.float64)
+    with pytest.raises(WireError, match=r"decoded \(2, 16\), expected \(2, 12\)"):
+        decode_uplink(entries[:1], body[:-2 * 16 * 8], top, 12, torch.float64)
+    with pytest.raises(ValueError, match="declares no uplink compressor"):
+        encode_uplink(up, None)
     layout, packed = pack_vectors({"x": rows[0], "c": rows[1].float()})
     restored = unpack_vectors(layout, packed)
     assert restored["c"].dtype == torch.float32

@@ -47,12 +47,11 @@ Decisions:
   ``--model least-squares`` and an IID partition.
 - ``--config`` may be given several times: the ranks then run the jobs one after the other in the same
   ``mpiexec`` (a sweep pays the start-up, several seconds of ``import torch`` per rank, once).
-- Interface limits worked around here (hooks proposed for ``vfl.hfl``): ``LocalSolver`` only calls
-  ``sample_batches`` of its data, so a stand-in draws the shared stream for the stack; the compressed
-  payloads are made by the client process's ``RoundContext.compress`` (``compress``/``decompress`` per
-  row, which the codecs guarantee to equal ``roundtrip_batch``), so an uplink message must be the object
-  that ``ctx.compress`` or ``Message.full_precision`` returned; ``algorithm.init`` builds the ``[N, d]``
-  stores on every rank (each keeps only its rows).
+- A client process runs the engine's own round (:class:`vfl.hfl.engine.ClientRound`, a
+  :class:`~vfl.hfl.engine.LocalSolver` over its view of the shared minibatch stream); every uplink
+  :class:`vfl.hfl.Message` carries its payloads, which are sent as they are, and the server decodes them
+  with its algorithm's ``uplink_compressor()``. ``algorithm.init`` builds the ``[N, d]`` stores on every
+  rank (each keeps only its rows).
 
 Where things are (each module imports only modules above it in this list):
 
@@ -60,10 +59,10 @@ Where things are (each module imports only modules above it in this list):
 - :mod:`~parties.hfl.client_files`: the ``clients-<p>.npz`` format: :class:`Shard`, :func:`load_client_file`,
   the check of a folder of them from the arrays' headers.
 - :mod:`~parties.hfl.config`: :class:`HflConfig`, :func:`validate`, :func:`build_algorithm`,
-  :func:`build_model`, :func:`parse_compressor`, :func:`load_training_data`, :func:`client_blocks`.
+  :func:`build_model`, :func:`parse_compressor`, :func:`option_names` (one flag per algorithm option),
+  :func:`load_training_data`, :func:`client_blocks`.
 - :mod:`~parties.hfl.split`: :func:`write_client_files` (the ``split`` command).
-- :mod:`~parties.hfl.round_context`: one round at a client process: its ``RoundContext`` (which keeps the
-  compressors' payloads), the stand-in that draws the shared minibatch stream, the compressors' names.
+- :mod:`~parties.hfl.round_context`: a client process's view of the shared minibatch stream.
 - :mod:`~parties.hfl.job`: what every rank builds the same way before round 0; gradient initialisations.
 - :mod:`~parties.hfl.client`: :class:`ClientProcess`, a client rank.
 - :mod:`~parties.hfl.server`: :class:`Server`, rank 0.

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from parties.config import ConfigError
-from parties.hfl.config import MODELS, PARTITIONS, HflConfig
+from parties.hfl.config import MODELS, PARTITIONS, HflConfig, option_names
 from parties.hfl.launcher import launch
 from parties.hfl.ranks import run_ranks
 from parties.hfl.split import write_client_files
@@ -26,9 +26,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--algorithm", default=d.algorithm, help=" | ".join(sorted(ALGORITHMS)))
     p.add_argument("--compressor", default=None,
                    help="uplink compressor as name[:key=value,...], e.g. top-r:r=0.01, dithering:bits=2")
-    p.add_argument("--alpha", type=float, default=None, help="SCALLION's α")
-    p.add_argument("--beta", type=float, default=None, help="SCAFCOM's momentum β")
-    p.add_argument("--cv-init", default=None, help="control-variate start: zeros | full_grad | minibatch")
+    for option, about in option_names().items():   # every other field of the options dataclasses
+        p.add_argument("--" + option.replace("_", "-"), dest=f"option_{option}", default=None,
+                       metavar="VALUE", help=about)
     p.add_argument("--dataset", default=d.dataset, help="registered dataset (see `vfl datasets`)")
     p.add_argument("--data-dir", default=None, help="dataset folder (default: $VFL_DATA_DIR, ../shared/data)")
     p.add_argument("--client-files", default=None,
@@ -67,7 +67,9 @@ def _widths(text: str) -> list[int]:
 
 def from_args(args: argparse.Namespace) -> HflConfig:
     names = {f.name for f in dataclasses.fields(HflConfig)}
-    return HflConfig(**{k: v for k, v in vars(args).items() if k in names})
+    given = vars(args)
+    chosen = {name: given[f"option_{name}"] for name in option_names() if given[f"option_{name}"] is not None}
+    return HflConfig(**{k: v for k, v in given.items() if k in names}, options=chosen)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,16 +4,17 @@ sends their messages and keeps the new state rows."""
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 
 from parties.hfl.job import _Job
-from parties.hfl.round_context import _ProcessRound, _StackBatches, compressor_slots, draw_stack_uniforms
-from parties.hfl.wire import SERVER, Kind, recv_frame, send_frame, unpack_vectors
-from vfl.hfl import FederatedData, LocalSolver, VectorState
+from parties.hfl.round_context import StackBatches, draw_stack_uniforms
+from parties.hfl.wire import SERVER, Kind, encode_uplink, recv_frame, send_frame, unpack_vectors
+from vfl.hfl import LocalSolver, VectorState
 from vfl.hfl.base import Downlink
+from vfl.hfl.engine import ClientRound
 
 
 class ClientProcess:
@@ -25,7 +26,6 @@ class ClientProcess:
         self.shard = job.shard
         self.store = store
         self.generators = [job.streams.compression[i] for i in self.shard.client_ids.tolist()]
-        self.slots = {id(c): name for name, c in compressor_slots(job.algorithm).items()}
         self.took_part_last_round = True   # nothing to catch up before round 0
 
     def serve(self) -> None:
@@ -52,13 +52,12 @@ class ClientProcess:
         clients = stack[positions]
         local = torch.searchsorted(self.shard.client_ids, clients)
         down: Downlink = unpack_vectors(meta["down"], body)
-        batches = _StackBatches(self.shard.data, positions, stack.numel())
-        solver = LocalSolver(job.model, cast(FederatedData, batches), local, cfg.batch_size, cfg.fl,
-                             job.streams.data)
-        ctx = _ProcessRound(int(meta["round"]), clients, cfg.fl, solver,
-                            [self.generators[k] for k in local.tolist()], self.slots)
+        batches = StackBatches(self.shard.data, positions, stack.numel())
+        solver = LocalSolver(job.model, batches, local, cfg.batch_size, cfg.fl, job.streams.data)
+        generators = [self.generators[k] for k in local.tolist()]
+        ctx = ClientRound(int(meta["round"]), clients, cfg.fl, solver, generators)
         up, states = job.algorithm.client_update(down, self.store.rows(local), ctx)
-        entries, uplink = ctx.encode(up)
+        entries, uplink = encode_uplink(up, job.algorithm.uplink_compressor())
         send_frame(job.comm, SERVER, Kind.UPLINK,
                    {"clients": clients.tolist(), "draws": batches.draws, "loss": solver.mean_loss,
                     "messages": entries}, uplink)

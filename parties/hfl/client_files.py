@@ -8,16 +8,12 @@ from __future__ import annotations
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from parties.config import ConfigError
 from vfl.hfl import FederatedData
-
-if TYPE_CHECKING:
-    from parties.hfl.config import HflConfig
 
 CLIENT_FILE_FORMAT = "vfl-hfl-clients/1"
 
@@ -64,34 +60,32 @@ def _npy_header(path: Path, member: str) -> tuple[tuple[int, ...], np.dtype]:
     return shape, dtype
 
 
-def _inspect_client_files(c: HflConfig) -> tuple[int, int]:
+def inspect_client_files(folder: Path, processes: int, n_clients: int) -> tuple[int, int]:
     """Check ``--client-files`` before any rank starts: one file per process, together hosting each of
     the N clients exactly once, the same feature count and task; returns (n_features, n_classes or 0)."""
-    assert c.client_files is not None
-    folder = Path(c.client_files)
-    names = [client_file_name(p) for p in range(c.processes)]
+    names = [client_file_name(p) for p in range(processes)]
     missing = [name for name in names if not (folder / name).is_file()]
     if missing:
         raise ConfigError(f"--client-files {folder}: missing {', '.join(missing)} for --processes "
-                          f"{c.processes} (write them with `python -m parties.hfl split`)")
+                          f"{processes} (write them with `python -m parties.hfl split`)")
     hosted, features, classes = [], set(), set()
-    for p in range(c.processes):
+    for p in range(processes):
         path = folder / client_file_name(p)
         try:
             with np.load(path, allow_pickle=False) as f:
                 hosted.append(f["client_ids"])
-                n_clients, n_classes = int(f["n_clients"]), int(f["n_classes"])
+                federation, n_classes = int(f["n_clients"]), int(f["n_classes"])
             shape, _ = _npy_header(path, "X")
         except (OSError, KeyError, ValueError, zipfile.BadZipFile) as err:
             raise ConfigError(f"client file {path}: {err}") from None
-        if n_clients != c.clients:
-            raise ConfigError(f"client file {path} belongs to a federation of {n_clients} clients, but "
-                              f"--clients is {c.clients}")
+        if federation != n_clients:
+            raise ConfigError(f"client file {path} belongs to a federation of {federation} clients, but "
+                              f"--clients is {n_clients}")
         features.add(shape[1] if len(shape) == 2 else -1)
         classes.add(n_classes)
     ids = np.sort(np.concatenate(hosted))
-    if not np.array_equal(ids, np.arange(c.clients)):
-        raise ConfigError(f"--client-files {folder}: the files must host each of the {c.clients} clients "
+    if not np.array_equal(ids, np.arange(n_clients)):
+        raise ConfigError(f"--client-files {folder}: the files must host each of the {n_clients} clients "
                           "exactly once (some are missing or hosted twice)")
     if len(features) != 1 or -1 in features or len(classes) != 1:
         raise ConfigError(f"--client-files {folder}: files disagree on the feature count {sorted(features)} "

@@ -4,16 +4,17 @@ starts) and what every rank builds from it: the algorithm, the model and the par
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from parties.config import ConfigError
-from parties.hfl.client_files import _inspect_client_files
+from parties.hfl.client_files import inspect_client_files
 from parties.hfl.wire import FLOAT_DTYPES
 from protocols.compression import Compressor, get_compressor
 from vfl.hfl import (
@@ -26,14 +27,15 @@ from vfl.hfl import (
     dirichlet_partition,
     iid_partition,
     make_algorithm,
+    options,
     shard_partition,
     softmax_regression,
 )
+from vfl.hfl.base import Compressor as CompressorOption
 from vfl.hfl.models import BatchedModel
 
 MODELS = ("softmax", "mlp", "least-squares")
 PARTITIONS = ("shards", "dirichlet", "iid")
-ALGORITHM_OPTIONS = ("compressor", "alpha", "beta", "cv_init")
 
 
 @dataclass
@@ -42,9 +44,7 @@ class HflConfig:
 
     algorithm: str = "fedavg"
     compressor: str | None = None
-    alpha: float | None = None
-    beta: float | None = None
-    cv_init: str | None = None
+    options: dict[str, str] = field(default_factory=dict)   # the algorithm's other options, as typed
     dataset: str = "digits"
     data_dir: str | None = None
     client_files: str | None = None
@@ -105,33 +105,77 @@ def _number(text: str) -> int | float:
         return float(text)
 
 
+def option_names() -> dict[str, str]:
+    """Every option of the registered algorithms but the compressor (which has its own syntax): option
+    name → which algorithms take it and its values, for ``--help``. The command line offers one flag
+    per name."""
+    takers: dict[str, list[str]] = {}
+    values: dict[str, str] = {}
+    for name, cls in sorted(ALGORITHMS.items()):
+        types = typing.get_type_hints(cls)
+        for option in options(cls):
+            if option != "compressor":
+                takers.setdefault(option, []).append(name)
+                kind = types[option]
+                literal = typing.get_origin(kind) is Literal
+                values[option] = " | ".join(typing.get_args(kind)) if literal else kind.__name__
+    return {option: f"{', '.join(algorithms)}: {values[option]}" for option, algorithms in takers.items()}
+
+
 def build_algorithm(config: HflConfig) -> Algorithm[Any, Any]:
-    """The algorithm object with the options it accepts; options it does not accept are an error."""
+    """The algorithm object from its options dataclass: every given option converted to the field's
+    type; an option the algorithm does not take, or a required one missing, is an error."""
     if config.algorithm not in ALGORITHMS:
         raise ConfigError(f"unknown --algorithm {config.algorithm!r}; choose one of "
                           f"{', '.join(sorted(ALGORITHMS))}")
-    parameters = inspect.signature(ALGORITHMS[config.algorithm]).parameters
-    options: dict[str, Any] = {}
-    for name in ALGORITHM_OPTIONS:
-        value = getattr(config, name)
-        flag = "--" + name.replace("_", "-")
-        if name not in parameters:
-            if value is not None:
-                raise ConfigError(f"{flag} does not apply to {config.algorithm}")
-            continue
-        if value is None:
-            if parameters[name].default is inspect.Parameter.empty:
-                example = " (e.g. top-r:r=0.01 or dithering:bits=2)" if name == "compressor" else ""
-                raise ConfigError(f"{config.algorithm} needs {flag}{example}")
-            continue
+    cls = ALGORITHMS[config.algorithm]
+    fields, types = options(cls), typing.get_type_hints(cls)
+    given = dict(config.options)
+    if config.compressor is not None:
+        given["compressor"] = config.compressor
+    kwargs: dict[str, Any] = {}
+    for name, text in given.items():
+        flag = _flag(name)
+        if name not in fields:
+            raise ConfigError(f"{flag} does not apply to {config.algorithm}")
         try:
-            options[name] = parse_compressor(value) if name == "compressor" else value
+            kwargs[name] = _convert(str(text), types[name])
         except ValueError as err:
-            raise ConfigError(f"{flag} {value!r}: {err}") from None
+            raise ConfigError(f"{flag} {text!r}: {err}") from None
+    for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and name not in kwargs:
+            example = " (e.g. top-r:r=0.01 or dithering:bits=2)" if name == "compressor" else ""
+            raise ConfigError(f"{config.algorithm} needs {_flag(name)}{example}")
     try:
-        return make_algorithm(config.algorithm, **options)
+        return make_algorithm(config.algorithm, **kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(str(err)) from None
+
+
+def _flag(option: str) -> str:
+    return "--" + option.replace("_", "-")
+
+
+def _convert(text: str, kind: Any) -> Any:
+    """A command-line string as a value of an option's declared type."""
+    if kind is CompressorOption:
+        return parse_compressor(text)
+    if typing.get_origin(kind) is Literal:
+        choices = typing.get_args(kind)
+        if text not in choices:
+            raise ValueError(f"choose one of {', '.join(map(str, choices))}")
+        return text
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError("expected true or false")
+        return text.lower() in ("true", "1", "yes")
+    if kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"expected {'an integer' if kind is int else 'a number'}") from None
+    return text
 
 
 def build_model(config: HflConfig) -> BatchedModel:
@@ -204,7 +248,8 @@ def validate(config: HflConfig) -> HflConfig:
     if c.model == "mlp" and (not c.hidden or min(c.hidden) < 1):
         raise ConfigError(f"--hidden must list positive layer widths (got {c.hidden})")
     build_algorithm(c)
-    n_features, n_classes = _inspect_client_files(c) if c.client_files else _inspect_dataset(c)
+    n_features, n_classes = (inspect_client_files(Path(c.client_files), c.processes, c.clients)
+                             if c.client_files else _inspect_dataset(c))
     if (c.model == "least-squares") != (n_classes == 0):
         data_kind = "regression targets" if n_classes == 0 else "class labels"
         raise ConfigError(f"--model {c.model} does not fit data with {data_kind}: use "

@@ -11,7 +11,7 @@ import torch
 
 from parties.hfl.client_files import Shard
 from parties.hfl.config import HflConfig
-from parties.hfl.round_context import _StackBatches
+from parties.hfl.round_context import StackBatches
 from vfl.hfl import Algorithm, InitContext
 from vfl.hfl.engine import Streams
 from vfl.hfl.models import BatchedModel
@@ -55,7 +55,7 @@ class _Job:
                 stack = torch.arange(start, min(start + chunk, n))
                 positions = torch.isin(stack, hosted).nonzero().flatten()
                 local = torch.searchsorted(hosted, stack[positions])
-                batches = _StackBatches(self.shard.data, positions, stack.numel())
+                batches = StackBatches(self.shard.data, positions, stack.numel())
                 X, y = batches.sample_batches(local, self.config.batch_size, self.streams.data)
                 if positions.numel():
                     grads = self.model.loss_and_grad(x.expand(positions.numel(), -1).contiguous(), X, y)[1]

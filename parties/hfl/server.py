@@ -8,7 +8,6 @@ import time
 import torch
 
 from parties.hfl.job import _Job
-from parties.hfl.round_context import compressor_slots
 from parties.hfl.wire import Kind, WireError, decode_uplink, pack_vectors, recv_frame, send_frame
 from vfl.hfl import Message, VectorState
 from vfl.hfl.base import Uplink, wire_bits
@@ -23,7 +22,7 @@ class Server:
         self.state = state
         self.hosts = hosts          # hosts[p]: the clients of rank p + 1
         self.test = test
-        self.compressors = compressor_slots(job.algorithm)
+        self.compressor = job.algorithm.uplink_compressor()
         self.round = 0
         self.uplink_bits = 0
         self.downlink_bits = 0
@@ -68,9 +67,10 @@ class Server:
     def _collect(self, clients: torch.Tensor, participants: list[tuple[int, torch.Tensor]]
                  ) -> tuple[Uplink, float, int]:
         """Receive every participant's uplink; stack the decoded rows in the engine's order."""
-        cfg = self.job.config
+        cfg, S = self.job.config, clients.numel()
         values: dict[str, torch.Tensor] = {}
         bits: dict[str, list[int]] = {}
+        payloads: dict[str, list[bytes] | None] = {}
         loss_sum, draws = 0.0, set()
         for rank, positions in participants:
             frame = recv_frame(self.job.comm, rank, Kind.UPLINK)
@@ -78,22 +78,35 @@ class Server:
                 raise WireError(f"rank {rank} answered for clients {frame.meta['clients']}, expected "
                                 f"{clients[positions].tolist()}")
             self.uplink_bits += 8 * int(frame.body.nbytes)
-            parts = decode_uplink(frame.meta["messages"], frame.body, self.compressors, cfg.torch_dtype)
+            parts = decode_uplink(frame.meta["messages"], frame.body, self.compressor, self.job.d,
+                                  cfg.torch_dtype)
             if values and parts.keys() != values.keys():
                 raise WireError(f"rank {rank} sent messages {sorted(parts)}, others sent {sorted(values)}")
             for key, part in parts.items():
+                if part.values.shape[0] != positions.numel():
+                    raise WireError(f"rank {rank} sent {part.values.shape[0]} rows of {key!r} for "
+                                    f"{positions.numel()} clients")
                 if key not in values:
-                    values[key] = part.values.new_empty((clients.numel(), part.values.shape[1]))
-                    bits[key] = [0] * clients.numel()
+                    values[key] = part.values.new_empty((S, part.values.shape[1]))
+                    bits[key] = [0] * S
+                    payloads[key] = None if part.payloads is None else [b""] * S
                 values[key][positions] = part.values
-                for j, b in zip(positions.tolist(), part.bits, strict=True):
-                    bits[key][j] = b
+                row_payloads = payloads[key]
+                if (row_payloads is None) != (part.payloads is None):
+                    raise WireError(f"rank {rank} sent {key!r} {'un' * (part.payloads is None)}compressed, "
+                                    "unlike the other client processes")
+                for k, j in enumerate(positions.tolist()):
+                    bits[key][j] = part.bits[k]
+                    if row_payloads is not None and part.payloads is not None:
+                        row_payloads[j] = part.payloads[k]
             loss_sum += float(frame.meta["loss"]) * positions.numel()
             draws.add(int(frame.meta["draws"]))
         if len(draws) != 1:
             raise WireError(f"client processes drew different numbers of minibatches this round ({draws}): "
                             "the algorithm's local work must not depend on which clients a process hosts")
-        return {k: Message(v, tuple(bits[k])) for k, v in values.items()}, loss_sum, draws.pop()
+        up = {k: Message(v, tuple(bits[k]), None if payloads[k] is None else tuple(payloads[k] or ()))
+              for k, v in values.items()}
+        return up, loss_sum, draws.pop()
 
     def evaluate(self) -> dict[str, float]:
         """Training loss/accuracy summed over the client processes' rows; test metrics at the server."""

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from protocols.compression import Compressor, Payload
+from vfl.hfl import Message
 
 TAG = 72
 """The one MPI tag of horizontal-FL traffic (on its own duplicated communicator)."""
@@ -132,55 +133,63 @@ def _float_name(name: str) -> str:
 # ------------------------------------------------------------------------------------------ uplink
 
 
-@dataclass(frozen=True)
-class UplinkPart:
-    """One uplink message of one client process: ``values [S_p, d]`` and each row's bits on the wire."""
-
-    values: torch.Tensor
-    bits: list[int]
-
-
-def encode_full_precision(key: str, values: torch.Tensor) -> tuple[dict[str, Any], list[bytes]]:
-    """Uncompressed rows, sent as their raw floats (the simulation charges their float width)."""
-    rows = values.detach().cpu().contiguous().numpy()
-    chunks = [row.tobytes() for row in rows]
-    return {"key": key, "codec": None, "dtype": str(rows.dtype), "d": int(rows.shape[1]),
-            "nbytes": [len(c) for c in chunks]}, chunks
-
-
-def encode_compressed(key: str, slot: str, payloads: Sequence[Payload]) -> tuple[dict[str, Any], list[bytes]]:
-    """Compressed rows, sent as the compressor's packed payloads (``slot`` names the compressor)."""
-    chunks = [p.data for p in payloads]
-    return {"key": key, "codec": slot, "nbytes": [len(c) for c in chunks]}, chunks
-
-
-def decode_uplink(entries: Sequence[Mapping[str, Any]], body: np.ndarray,
-                  compressors: Mapping[str, Compressor], dtype: torch.dtype) -> dict[str, UplinkPart]:
-    """Decode one client process's uplink body into its messages (rows in the order they were sent)."""
-    expected = sum(sum(e["nbytes"]) for e in entries)
-    if expected != body.nbytes:
-        raise WireError(f"uplink: its layout accounts for {expected} bytes but {body.nbytes} arrived")
-    parts, offset = {}, 0
-    for entry in entries:
-        sizes = [int(n) for n in entry["nbytes"]]
-        if entry["codec"] is None:
-            float_type = np.dtype(_float_name(entry["dtype"]))
-            rows, d = len(sizes), int(entry["d"])
-            if any(n != d * float_type.itemsize for n in sizes):
-                raise WireError(f"uplink {entry['key']!r}: rows of {sizes} bytes for d = {d} {float_type}")
-            array = np.frombuffer(body, dtype=float_type, count=rows * d, offset=offset).reshape(rows, d)
-            values = torch.from_numpy(array.copy())
+def encode_uplink(up: Mapping[str, Message], compressor: Compressor | None
+                  ) -> tuple[list[dict[str, Any]], bytes]:
+    """One client process's uplink as (layout, body): a compressed message as the payloads it carries, a
+    full-precision one as its raw float rows. ``compressor`` is the algorithm's uplink codec, the one the
+    server will decode with."""
+    entries, chunks = [], []
+    for key, message in up.items():
+        if message.payloads is None:
+            rows = message.values.detach().cpu().contiguous().numpy()
+            parts = [row.tobytes() for row in rows]
+            entry = {"key": key, "compressed": False, "dtype": str(rows.dtype)}
+        elif compressor is None:
+            raise ValueError(f"uplink message {key!r} is compressed, but the algorithm declares no uplink "
+                             "compressor (Algorithm.uplink_compressor) to decode it with")
         else:
-            compressor = compressors.get(entry["codec"])
+            parts = list(message.payloads)
+            entry = {"key": key, "compressed": True}
+        entries.append(entry | {"nbytes": [len(c) for c in parts]})
+        chunks.extend(parts)
+    return entries, b"".join(chunks)
+
+
+def decode_uplink(entries: Sequence[Mapping[str, Any]], body: np.ndarray, compressor: Compressor | None,
+                  d: int, dtype: torch.dtype) -> dict[str, Message]:
+    """Decode one client process's uplink body into its messages (rows in the order they were sent).
+
+    Everything in ``entries`` comes from another party: the lengths must account for the body exactly,
+    every row must decode to ``d`` entries, and a compressed row is decoded only with this side's own
+    ``compressor`` (the algorithm's uplink codec), never one the sender names."""
+    try:
+        sizes_of = [[int(n) for n in e["nbytes"]] for e in entries]
+    except (KeyError, TypeError, ValueError):
+        raise WireError("uplink: malformed layout (each entry needs a list of row byte counts)") from None
+    if any(n < 0 for sizes in sizes_of for n in sizes) or sum(map(sum, sizes_of)) != body.nbytes:
+        raise WireError(f"uplink: its layout accounts for {sum(map(sum, sizes_of))} bytes but {body.nbytes} "
+                        "arrived")
+    messages, offset = {}, 0
+    for entry, sizes in zip(entries, sizes_of, strict=True):
+        key, rows = str(entry.get("key")), len(sizes)
+        if entry.get("compressed") is True:
             if compressor is None:
-                known = ", ".join(compressors) or "none"
-                raise WireError(f"uplink {entry['key']!r} was compressed by {entry['codec']!r}, which is "
-                                f"not a compressor of this algorithm (have: {known})")
-            decoded, start = [], offset
-            for n in sizes:
-                decoded.append(compressor.decompress(Payload(body[start:start + n].tobytes())))
-                start += n
-            values = torch.stack(decoded)
-        parts[entry["key"]] = UplinkPart(values.to(dtype), [8 * n for n in sizes])
+                raise WireError(f"uplink {key!r} is compressed, but this algorithm sends full precision only")
+            starts = offset + np.cumsum([0, *sizes[:-1]])
+            chunks = [body[a:a + n].tobytes() for a, n in zip(starts.tolist(), sizes, strict=True)]
+            try:
+                values = compressor.decompress_batch([Payload(c) for c in chunks])
+            except ValueError as err:
+                raise WireError(f"uplink {key!r}: {err}") from None
+            payloads: tuple[bytes, ...] | None = tuple(chunks)
+        else:
+            float_type = np.dtype(_float_name(str(entry.get("dtype"))))
+            if any(n != d * float_type.itemsize for n in sizes):
+                raise WireError(f"uplink {key!r}: rows of {sizes} bytes for d = {d} {float_type}")
+            array = np.frombuffer(body, dtype=float_type, count=rows * d, offset=offset).reshape(rows, d)
+            values, payloads = torch.from_numpy(array.copy()), None
+        if values.shape != (rows, d):
+            raise WireError(f"uplink {key!r}: decoded {tuple(values.shape)}, expected ({rows}, {d})")
+        messages[key] = Message(values.to(dtype), tuple(8 * n for n in sizes), payloads)
         offset += sum(sizes)
-    return parts
+    return messages

@@ -17,9 +17,10 @@ Decisions (the specs are silent):
   equivalence tests stay exact, and a float64 run honestly pays 64 bits per value.
 - Randomness comes only from the ``torch.Generator`` passed in, one per client, so the compressors of
   different clients are independent (SC-spec §2.1) and runs are reproducible.
-- ``roundtrip_batch`` compresses the rows of ``[S, d]`` with the same code path as ``compress`` (a
-  single row is a batch of one), so it consumes each generator exactly as ``compress`` would and gives
-  bit-identical results; it still goes through the bytes, so the wire format is exercised every round.
+- ``compress_batch`` / ``decompress_batch`` / ``roundtrip_batch`` handle the rows of ``[S, d]`` with the
+  same code path as ``compress`` (a single row is a batch of one), so they consume each generator exactly
+  as ``compress`` would and give bit-identical results; the round trip still goes through the bytes, so
+  the wire format is exercised every round.
 """
 
 from __future__ import annotations
@@ -163,21 +164,34 @@ class Compressor(ABC):
         header, body = self._open(payload)
         return self._decompress_rows([header.variant], [body], header.d, header.dtype)[0]
 
+    def compress_batch(self, X: torch.Tensor, generators: Sequence[torch.Generator | None] | None = None
+                       ) -> list[Payload]:
+        """``compress(X[s], generators[s])`` for every row of ``[S, d]``, vectorised across rows."""
+        if not isinstance(X, torch.Tensor) or X.dim() != 2 or X.shape[0] == 0:
+            shape = tuple(X.shape) if isinstance(X, torch.Tensor) else type(X).__name__
+            raise ValueError(f"a batch must be a [S, d] tensor with S >= 1, got {shape}")
+        X = check_rows(X)
+        return self._compress_rows(X, self._check_generators(generators, X.shape[0]))
+
+    def decompress_batch(self, payloads: Sequence[Payload]) -> torch.Tensor:
+        """Decode S messages of one length and float type (e.g. one round's uplinks) into ``[S, d]``."""
+        if not payloads:
+            raise ValueError("decompress_batch needs at least one payload")
+        opened = [self._open(p) for p in payloads]
+        first = opened[0][0]
+        if any((h.d, h.dtype) != (first.d, first.dtype) for h, _ in opened):
+            raise ValueError("payloads of one batch must share their length d and float type")
+        return self._decompress_rows([h.variant for h, _ in opened], [b for _, b in opened], first.d,
+                                     first.dtype)
+
     def roundtrip_batch(self, X: torch.Tensor, generators: Sequence[torch.Generator | None] | None = None
                         ) -> tuple[torch.Tensor, list[int]]:
         """``decompress(compress(X[s], generators[s]))`` for every row, and each message's bit count.
 
         Identical to the row-by-row calls (same generator consumption), vectorised across rows.
         """
-        if not isinstance(X, torch.Tensor) or X.dim() != 2 or X.shape[0] == 0:
-            shape = tuple(X.shape) if isinstance(X, torch.Tensor) else type(X).__name__
-            raise ValueError(f"roundtrip_batch expects a [S, d] tensor with S >= 1, got {shape}")
-        X = check_rows(X)
-        payloads = self._compress_rows(X, self._check_generators(generators, X.shape[0]))
-        opened = [self._open(p) for p in payloads]
-        X_hat = self._decompress_rows([h.variant for h, _ in opened], [b for _, b in opened],
-                                      X.shape[1], X.dtype)
-        return X_hat, [p.nbits for p in payloads]
+        payloads = self.compress_batch(X, generators)
+        return self.decompress_batch(payloads), [p.nbits for p in payloads]
 
     @abstractmethod
     def _compress_rows(self, X: torch.Tensor, generators: list[torch.Generator | None]) -> list[Payload]:

@@ -5,7 +5,7 @@ runs the sampled clients as one batched computation.
     alg = make_algorithm("scafcom", compressor=get_compressor("top-r", r=0.01), beta=0.2)
 
 Compressors come from ``protocols.compression`` and are injected: ``vfl`` never imports ``protocols``.
-An algorithm is one class in one file, registered below by name.
+An algorithm is one dataclass in one file (its fields are its options), registered below by name.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from vfl.hfl.base import (
     ServerControl,
     ServerModel,
     VectorState,
+    WithCompressor,
+    options,
 )
-from vfl.hfl.data import FederatedData, dirichlet_partition, iid_partition, shard_partition
+from vfl.hfl.data import FederatedData
 from vfl.hfl.engine import FederatedSimulation, LocalSolver, MetricsLog
 from vfl.hfl.fed_ef import FedEF
 from vfl.hfl.fedavg import FedAvg
@@ -32,6 +34,13 @@ from vfl.hfl.fedpaq import FedPAQ
 from vfl.hfl.isca import Isca
 from vfl.hfl.iscam import Iscam
 from vfl.hfl.models import MLP, LeastSquares, least_squares_optimum, softmax_regression
+from vfl.hfl.partitions import (
+    dirichlet_partition,
+    iid_partition,
+    imbalanced_st_indices,
+    labels_per_client_partition,
+    shard_partition,
+)
 from vfl.hfl.scafcom import Scafcom
 from vfl.hfl.scaffold import Scaffold, ScaffoldTwoVector
 from vfl.hfl.scallion import Scallion
@@ -42,22 +51,54 @@ ALGORITHMS: dict[str, type[Algorithm[Any, Any]]] = {
 }
 
 
-def make_algorithm(name: str, **options: Any) -> Algorithm[Any, Any]:
-    """Build a registered algorithm by name with its own options (compressor, alpha, beta, cv_init)."""
+def make_algorithm(name: str, **settings: Any) -> Algorithm[Any, Any]:
+    """Build a registered algorithm by name with its options (the fields of its dataclass: compressor,
+    alpha, beta, cv_init, ...; :func:`options` lists them)."""
     try:
         cls = ALGORITHMS[name]
     except KeyError:
         raise ValueError(f"unknown algorithm {name!r}; known: {', '.join(sorted(ALGORITHMS))}") from None
     try:
-        return cls(**options)
+        return cls(**settings)
     except TypeError as exc:
         raise TypeError(f"algorithm {name!r}: {exc}") from None
 
 
 __all__ = [
-    "ALGORITHMS", "MLP", "Algorithm", "Compressor", "FLConfig", "FedAvg", "FedComGate", "FedEF", "FedPAQ",
-    "FederatedData", "FederatedSimulation", "InitContext", "Isca", "Iscam", "LeastSquares", "LocalSolver",
-    "Message", "MetricsLog", "RoundContext", "Scafcom", "Scaffold", "ScaffoldTwoVector", "Scallion",
-    "ServerControl", "ServerModel", "VectorState", "dirichlet_partition", "iid_partition",
-    "least_squares_optimum", "make_algorithm", "shard_partition", "softmax_regression",
+    "ALGORITHMS",
+    "MLP",
+    "Algorithm",
+    "Compressor",
+    "FLConfig",
+    "FedAvg",
+    "FedComGate",
+    "FedEF",
+    "FedPAQ",
+    "FederatedData",
+    "FederatedSimulation",
+    "InitContext",
+    "Isca",
+    "Iscam",
+    "LeastSquares",
+    "LocalSolver",
+    "Message",
+    "MetricsLog",
+    "RoundContext",
+    "Scafcom",
+    "Scaffold",
+    "ScaffoldTwoVector",
+    "Scallion",
+    "ServerControl",
+    "ServerModel",
+    "VectorState",
+    "WithCompressor",
+    "dirichlet_partition",
+    "iid_partition",
+    "imbalanced_st_indices",
+    "labels_per_client_partition",
+    "least_squares_optimum",
+    "make_algorithm",
+    "options",
+    "shard_partition",
+    "softmax_regression",
 ]

@@ -29,17 +29,23 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, Self, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar, runtime_checkable
 
 import torch
-
-if TYPE_CHECKING:
-    from vfl.hfl.engine import LocalSolver
 
 
 def wire_bits(values: torch.Tensor) -> int:
     """Bits to send ``values`` uncompressed: their float width times their number of entries."""
     return 8 * values.element_size() * values.numel()
+
+
+class Packed(Protocol):
+    """One client's compressed message as it crosses the wire (``protocols.compression.Payload``)."""
+
+    data: bytes
+
+    @property
+    def nbits(self) -> int: ...
 
 
 @runtime_checkable
@@ -49,17 +55,20 @@ class Compressor(Protocol):
 
     unbiased: bool
 
-    def roundtrip_batch(self, X: torch.Tensor, generators: Sequence[torch.Generator]
-                        ) -> tuple[torch.Tensor, list[int]]:
-        """Compress and decompress each row of ``X`` with its own generator; return the decoded rows and
-        the packed payload size in bits of each row."""
+    def compress_batch(self, X: torch.Tensor, generators: Sequence[torch.Generator]) -> Sequence[Packed]:
+        """Compress each row of ``X`` with its own generator into its own message."""
+        ...
+
+    def decompress_batch(self, payloads: Sequence[Packed]) -> torch.Tensor:
+        """Decode S messages into the ``[S, d]`` rows a receiver sees."""
         ...
 
 
 def check_compressor(compressor: object, algorithm: str) -> Compressor:
     """Validate an injected compressor at the public edge (a clear error instead of a late AttributeError)."""
     if not isinstance(compressor, Compressor):
-        raise TypeError(f"{algorithm}: compressor must have `unbiased` and `roundtrip_batch(X, generators)`"
+        raise TypeError(f"{algorithm}: compressor must have `unbiased`, `compress_batch(X, generators)` and "
+                        "`decompress_batch(payloads)`"
                         f" (e.g. protocols.compression.get_compressor(...)); got {type(compressor).__name__}")
     return compressor
 
@@ -95,16 +104,32 @@ class FLConfig:
 
 @dataclass(frozen=True)
 class Message:
-    """One uplink vector per sampled client: the values the server decodes ``[S, d]`` and the bits each
-    client sent."""
+    """One uplink vector per sampled client: the rows the server decodes ``[S, d]``, the bits each client
+    sent and, for a compressed message, each client's payload as it crosses the wire (``None``: the rows
+    travel as raw floats). A deployment sends ``payloads`` as they are; the receiver decodes them with
+    the algorithm's :meth:`Algorithm.uplink_compressor`."""
 
     values: torch.Tensor
     bits: tuple[int, ...]
+    payloads: tuple[bytes, ...] | None = None
 
     @classmethod
     def full_precision(cls, values: torch.Tensor) -> Message:
         """An uncompressed message: each row costs its float width per entry."""
         return cls(values, (wire_bits(values[0]),) * values.shape[0])
+
+    @classmethod
+    def compressed(cls, compressor: Compressor, X: torch.Tensor, generators: Sequence[torch.Generator]
+                   ) -> Message:
+        """Row j of ``X`` compressed with ``generators[j]``: the decoded rows (on ``X``'s device and
+        float type), the payloads and their real sizes. Codecs run on the CPU."""
+        payloads = compressor.compress_batch(X.cpu(), generators)
+        decoded = compressor.decompress_batch(payloads)
+        if decoded.shape != X.shape or len(payloads) != X.shape[0]:
+            raise ValueError(f"compressor {compressor!r} returned shape {tuple(decoded.shape)} "
+                             f"and {len(payloads)} payloads for input {tuple(X.shape)}")
+        return cls(decoded.to(device=X.device, dtype=X.dtype), tuple(int(p.nbits) for p in payloads),
+                   tuple(p.data for p in payloads))
 
 
 @dataclass(eq=False)
@@ -168,6 +193,29 @@ class InitContext:
     minibatch_local_gradients: Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class LocalResult:
+    """End of the local loop: final local models ``y [S, d]`` and the mean raw minibatch gradient
+    ḡ = (1/K) Σ_k g^k ``[S, d]`` (accumulated, not recovered from (x − y)/(η_l K), which loses precision
+    in float32)."""
+
+    y: torch.Tensor
+    grad_mean: torch.Tensor
+
+
+class Solver(Protocol):
+    """Local training of the round's sampled clients, as algorithms call it
+    (:class:`vfl.hfl.engine.LocalSolver` is the implementation)."""
+
+    def gradient(self, Y: torch.Tensor) -> torch.Tensor:
+        """Minibatch gradient ``[S, d]`` at the rows of ``Y``, on a fresh minibatch per client."""
+        ...
+
+    def run(self, x: torch.Tensor, correction: torch.Tensor | None = None) -> LocalResult:
+        """K local SGD steps from ``x``, each shifted by ``−η_l·correction`` (constant in the round)."""
+        ...
+
+
 class RoundContext(Protocol):
     """What a client step sees: the round's sampled clients, the shared hyper-parameters, the local
     solver bound to their data, and a compression channel bound to their own random streams."""
@@ -175,7 +223,7 @@ class RoundContext(Protocol):
     round: int
     clients: torch.Tensor
     config: FLConfig
-    solver: LocalSolver
+    solver: Solver
 
     def compress(self, compressor: Compressor, X: torch.Tensor) -> Message:
         """Compress row j of ``X`` with client ``clients[j]``'s own generator; returns the decoded rows
@@ -191,7 +239,11 @@ ClientT = TypeVar("ClientT", bound=VectorState)
 
 
 class Algorithm(ABC, Generic[ServerT, ClientT]):
-    """One horizontal-FL algorithm (see the module docstring for the round protocol)."""
+    """One horizontal-FL algorithm (see the module docstring for the round protocol).
+
+    A subclass is a dataclass whose fields are its options (compressor, α, β, ...), validated in
+    ``__post_init__``: :func:`options` lists them, so the command line can offer every one.
+    """
 
     name: ClassVar[str]
 
@@ -216,9 +268,31 @@ class Algorithm(ABC, Generic[ServerT, ClientT]):
         """Fold the server's reply into the participants' state (default: nothing to do)."""
         return clients
 
+    def uplink_compressor(self) -> Compressor | None:
+        """The codec of this algorithm's compressed uplink messages (``None``: all are full precision);
+        a receiver of :attr:`Message.payloads` decodes them with it."""
+        return None
+
     def describe(self) -> dict[str, object]:
         """Algorithm-specific settings for logs (α, β, compressor, ...)."""
         return {"algorithm": self.name}
+
+
+class WithCompressor:
+    """Mixin of the algorithms whose options include ``compressor``: validates it and declares it as the
+    uplink codec."""
+
+    name: ClassVar[str]
+    compressor: Compressor
+
+    def uplink_compressor(self) -> Compressor | None:
+        return self.compressor
+
+    def _check_compressor(self, *, unbiased: bool = False) -> None:
+        self.compressor = check_compressor(self.compressor, self.name)
+        if unbiased and not self.compressor.unbiased:
+            raise ValueError(f"{self.name} needs an unbiased compressor (e.g. dithering), got "
+                             f"{compressor_label(self.compressor)}")
 
 
 def zeros_like_clients(x0: torch.Tensor, n_clients: int) -> torch.Tensor:
@@ -229,3 +303,8 @@ def zeros_like_clients(x0: torch.Tensor, n_clients: int) -> torch.Tensor:
 def compressor_label(compressor: Compressor) -> str:
     """A readable name for logs, e.g. ``TopR(r=0.01)``."""
     return repr(compressor)
+
+
+def options(algorithm: type[Algorithm[Any, Any]]) -> dict[str, dataclasses.Field[Any]]:
+    """The options of an algorithm class by name (its dataclass fields; none for a plain class)."""
+    return {f.name: f for f in dataclasses.fields(algorithm)} if dataclasses.is_dataclass(algorithm) else {}

@@ -1,4 +1,4 @@
-"""FedBAT's learnable binarization operator (Li et al., ICML 2024, Eq. 6-10) and the 1-bit uplink format.
+"""FedBAT's learnable binarization operator (Li et al., ICML 2024, Eq. 6-10).
 
 The operator maps a model update ``m`` to ``S(m, α) ∈ {−α, +α}`` element-wise, with one step size α per
 layer:
@@ -22,21 +22,13 @@ is *summed* over all entries that share it: α may be 0-dim (one layer) or broad
 The step size is parameterised as α = α'·exp(ρ·α_e) (Eq. 10): α' is fixed per round (Eq. 13), α_e is the
 trained variable, ρ the pace coefficient; ρ = 0 freezes α at α'.
 
-Uplink format of a binarized update (decision: the paper only says "1 bit per parameter plus α"): the
-layers' step sizes as float32 little-endian, then every layer's bits concatenated in layer order
-(1 ↔ +α), least significant bit first and padded once to a whole byte. No header: both ends know the
-model's layer shapes. Size: 32·L + 8·⌈Σ_l d_l / 8⌉ bits, e.g. 390,080 bits for the paper's FMNIST CNN.
-A message without step sizes (SignSGD's fixed α) is the same with L floats omitted.
+Its 1-bit uplink format is ``protocols.compression.layers.LayerCodec`` (injected: ``vfl`` does not import
+``protocols``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import numpy as np
 import torch
-
-_ALPHA_WIRE = np.dtype("<f4")
 
 
 class BinarizeUpdate(torch.autograd.Function):
@@ -72,30 +64,3 @@ def binarize(m: torch.Tensor, alpha: torch.Tensor, generator: torch.Generator) -
 def step_size(alpha_prime: torch.Tensor, alpha_e: torch.Tensor, rho: float) -> torch.Tensor:
     """α = α'·exp(ρ·α_e) (Eq. 10): positive by construction; ∂α/∂α_e = ρ·α."""
     return alpha_prime * torch.exp(rho * alpha_e)
-
-
-def encode_signs(bits: Sequence[torch.Tensor], alphas: Sequence[float] = ()) -> bytes:
-    """One client's binarized update as bytes: float32 step sizes, then all layers' bits (1 ↔ +α)."""
-    flat = np.concatenate([b.detach().reshape(-1).cpu().numpy().astype(bool) for b in bits])
-    head = np.asarray(alphas, dtype=_ALPHA_WIRE).tobytes()
-    return head + np.packbits(flat, bitorder="little").tobytes()
-
-
-def decode_signs(data: bytes, shapes: Sequence[torch.Size], n_alphas: int
-                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Inverse of :func:`encode_signs`: per-layer ±1 tensors (float32) and the float32 step sizes.
-
-    A message whose length does not match ``shapes`` and ``n_alphas`` is rejected (it was written for
-    another model or codec), since silently reading it would corrupt the global model.
-    """
-    sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
-    head = n_alphas * _ALPHA_WIRE.itemsize
-    expected = head + (sum(sizes) + 7) // 8
-    if len(data) != expected:
-        raise ValueError(f"binarized update of {len(data)} bytes; layers {[tuple(s) for s in shapes]} "
-                         f"with {n_alphas} step sizes need {expected} bytes")
-    alphas = torch.from_numpy(np.frombuffer(data, dtype=_ALPHA_WIRE, count=n_alphas).astype(np.float32))
-    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8, offset=head), count=sum(sizes),
-                         bitorder="little")
-    signs = torch.from_numpy(bits.astype(np.float32) * 2 - 1)
-    return [part.reshape(shape) for part, shape in zip(signs.split(sizes), shapes, strict=True)], alphas

@@ -30,7 +30,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import numpy as np
 import torch
@@ -42,7 +42,9 @@ from vfl.hfl.base import (
     Downlink,
     FLConfig,
     InitContext,
+    LocalResult,
     Message,
+    Solver,
     wire_bits,
 )
 from vfl.hfl.data import FederatedData
@@ -52,13 +54,12 @@ METRIC_COLUMNS = ("round", "local_loss", "uplink_bits", "downlink_bits", "round_
                   "train_loss", "train_accuracy", "test_loss", "test_accuracy", "gradient_evaluations")
 
 
-@dataclass(frozen=True)
-class LocalResult:
-    """End of the local loop: final local models ``y [S, d]`` and the mean raw minibatch gradient
-    ḡ = (1/K) Σ_k g^k ``[S, d]`` (accumulated, not recovered from (x − y)/(η_l K): spec trap T9)."""
+class MinibatchSource(Protocol):
+    """Where a :class:`LocalSolver` draws minibatches: :class:`~vfl.hfl.data.FederatedData` for the whole
+    stack, or an MPI client process's view of the same shared stream for the clients it hosts."""
 
-    y: torch.Tensor
-    grad_mean: torch.Tensor
+    def sample_batches(self, clients: torch.Tensor, batch_size: int | None, generator: torch.Generator
+                       ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class LocalSolver:
@@ -68,7 +69,7 @@ class LocalSolver:
     correction (−c_i + c for SCAFFOLD, −δ_j for FedCOMGATE, none for FedAvg) is constant in the round.
     """
 
-    def __init__(self, model: BatchedModel, data: FederatedData, clients: torch.Tensor,
+    def __init__(self, model: BatchedModel, data: MinibatchSource, clients: torch.Tensor,
                  batch_size: int | None, config: FLConfig, generator: torch.Generator) -> None:
         self.model = model
         self.data = data
@@ -111,13 +112,14 @@ class LocalSolver:
 
 
 @dataclass
-class _Round:
-    """The :class:`vfl.hfl.base.RoundContext` the engine hands to ``client_update``."""
+class ClientRound:
+    """The :class:`vfl.hfl.base.RoundContext` handed to ``client_update``, by the engine for the whole
+    stack and by an MPI client process for the sampled clients it hosts."""
 
     round: int
     clients: torch.Tensor
     config: FLConfig
-    solver: LocalSolver
+    solver: Solver
     generators: list[torch.Generator]
 
     def compress(self, compressor: Compressor, X: torch.Tensor) -> Message:
@@ -125,11 +127,7 @@ class _Round:
             raise FloatingPointError(
                 f"round {self.round}: a client's uplink became non-finite (diverged); "
                 f"lower lr_local={self.config.lr_local} or lr_global={self.config.lr_global}")
-        decoded, bits = compressor.roundtrip_batch(X.cpu(), self.generators)   # codecs run on the CPU
-        if decoded.shape != X.shape or len(bits) != X.shape[0]:
-            raise ValueError(f"compressor {compressor!r} returned shape {tuple(decoded.shape)} "
-                             f"and {len(bits)} bit counts for input {tuple(X.shape)}")
-        return Message(decoded.to(device=X.device, dtype=X.dtype), tuple(int(b) for b in bits))
+        return Message.compressed(compressor, X, self.generators)
 
 
 @dataclass
@@ -227,7 +225,7 @@ class FederatedSimulation:
         down = self.algorithm.broadcast(self.server)
         self.downlink_bits += n_sampled * _downlink_bits(down)
         solver = LocalSolver(self.model, self.data, clients, self.batch_size, self.config, self.streams.data)
-        ctx = _Round(self.round, clients, self.config, solver,
+        ctx = ClientRound(self.round, clients, self.config, solver,
                      [self.streams.compression[i] for i in clients.tolist()])
         up, states = self.algorithm.client_update(down, states, ctx)
         self.uplink_bits += sum(sum(message.bits) for message in up.values())

@@ -22,7 +22,7 @@ from vfl.hfl.base import (
     ServerModel,
     Uplink,
     VectorState,
-    check_compressor,
+    WithCompressor,
     compressor_label,
     zeros_like_clients,
 )
@@ -35,11 +35,14 @@ class ErrorMemory(VectorState):
     e: torch.Tensor
 
 
-class FedEF(Algorithm[ServerModel, ErrorMemory]):
+@dataclass(eq=False)
+class FedEF(WithCompressor, Algorithm[ServerModel, ErrorMemory]):
     name = "fed-ef"
 
-    def __init__(self, compressor: Compressor) -> None:
-        self.compressor = check_compressor(compressor, self.name)
+    compressor: Compressor
+
+    def __post_init__(self) -> None:
+        self._check_compressor()
 
     def init(self, ctx: InitContext) -> tuple[ServerModel, ErrorMemory]:
         return ServerModel(ctx.x0), ErrorMemory(zeros_like_clients(ctx.x0, ctx.n_clients))

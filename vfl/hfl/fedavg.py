@@ -8,6 +8,8 @@ which the SCAFFOLD family removes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vfl.hfl.base import (
     Algorithm,
     Downlink,
@@ -21,6 +23,7 @@ from vfl.hfl.base import (
 )
 
 
+@dataclass(eq=False)
 class FedAvg(Algorithm[ServerModel, NoClientState]):
     name = "fedavg"
 

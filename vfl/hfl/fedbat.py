@@ -9,9 +9,9 @@ round start) with plain SGD over τ_k = E·⌈n_k/B⌉ minibatch steps:
   each step, SGD on m, α_e and the BatchNorm parameters through the designed derivatives
   (:mod:`vfl.hfl.binarize`).
 
-Uplink: 1 bit per binarized weight plus one float32 α per layer (real packed bytes), and the BN tensors
-in float32. Server (Eq. 11): w_{t+1} = w_t + Σ_k p'_k α_k m̄_k with p'_k = n_k / Σ_{j∈S_t} n_j, no server
-learning rate; the BN tensors are averaged with the same weights.
+Uplink: 1 bit per binarized weight plus one float32 α per layer (real packed bytes, in the injected
+codec's format), and the BN tensors in float32. Server (Eq. 11): w_{t+1} = w_t + Σ_k p'_k α_k m̄_k with
+p'_k = n_k / Σ_{j∈S_t} n_j, no server learning rate; the BN tensors are averaged with the same weights.
 
 The baselines (:mod:`vfl.hfl.signsgd`) run the same local SGD (FedBAT with no binarization phase) and
 compress the finished update instead; :class:`FederatedCNN` runs any of them.
@@ -37,7 +37,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ from torch import nn
 from torch.func import functional_call
 
 from vfl.hfl.base import wire_bits
-from vfl.hfl.binarize import binarize, decode_signs, encode_signs, step_size
+from vfl.hfl.binarize import binarize, step_size
 from vfl.hfl.cnn import binarized_names, init_weights
 from vfl.hfl.data import FederatedData
 from vfl.hfl.engine import MetricsLog, Streams
@@ -176,6 +176,29 @@ class LocalTrainer:
         return LocalResult([t.detach() for t in m], extras, loss_sum / tau, tau)
 
 
+class LayerCodec(Protocol):
+    """The uplink formats of a layered update (``protocols.compression.layers.LayerCodec`` implements them;
+    ``vfl`` does not import ``protocols``, so the codec is injected into every method)."""
+
+    def encode_signs(self, bits: Sequence[torch.Tensor], scales: Sequence[float] = ()) -> bytes: ...
+
+    def decode_signs(self, data: bytes, shapes: Sequence[torch.Size], n_scales: int
+                     ) -> tuple[list[torch.Tensor], torch.Tensor]: ...
+
+    def encode_floats(self, update: Sequence[torch.Tensor]) -> bytes: ...
+
+    def decode_floats(self, data: bytes, shapes: Sequence[torch.Size]) -> list[torch.Tensor]: ...
+
+
+def check_codec(codec: object, method: str) -> LayerCodec:
+    """Validate an injected codec at the public edge (a clear error instead of a late AttributeError)."""
+    if not all(callable(getattr(codec, name, None))
+               for name in ("encode_signs", "decode_signs", "encode_floats", "decode_floats")):
+        raise TypeError(f"{method}: codec must be a protocols.compression.layers.LayerCodec, got "
+                        f"{type(codec).__name__}")
+    return codec  # type: ignore[return-value]
+
+
 class Method(ABC):
     """A FedAvg-backbone method: how a client trains and what it sends up."""
 
@@ -231,7 +254,7 @@ class FedBAT(Method):
     name = "fedbat"
     UPLOADS = ("final_fresh", "last_forward")
 
-    def __init__(self, rho: float = 6.0, phi: float = 0.5, *, eps: float = 1e-8,
+    def __init__(self, codec: LayerCodec, rho: float = 6.0, phi: float = 0.5, *, eps: float = 1e-8,
                  alpha_clamp: tuple[float, float] | None = None, upload: str = "final_fresh") -> None:
         if not 0 <= rho < math.inf:
             raise ValueError(f"rho must be a finite number >= 0, got {rho}")
@@ -244,6 +267,7 @@ class FedBAT(Method):
             raise ValueError(f"alpha_clamp must be (low, high) with 0 < low < high, got {alpha_clamp}")
         if upload not in self.UPLOADS:
             raise ValueError(f"upload must be one of {self.UPLOADS}, got {upload!r}")
+        self.codec = check_codec(codec, self.name)
         self.rho, self.phi, self.eps = float(rho), float(phi), float(eps)
         self.alpha_clamp = alpha_clamp
         self.upload = upload
@@ -258,8 +282,8 @@ class FedBAT(Method):
                 bits = [binarize(m, a, client_stream) > 0 for m, a in zip(local.update, alphas, strict=True)]
             else:
                 bits = phase.last_bits
-        payload = encode_signs(bits, [float(a) for a in alphas])
-        signs, sent_alphas = decode_signs(payload, trainer.shapes, len(alphas))
+        payload = self.codec.encode_signs(bits, [float(a) for a in alphas])
+        signs, sent_alphas = self.codec.decode_signs(payload, trainer.shapes, len(alphas))
         update = [a * s for a, s in zip(sent_alphas, signs, strict=True)]
         info = {"alpha_prime": [float(a) for a in phase.alpha_prime],
                 "alpha": [float(a) for a in sent_alphas],
@@ -379,35 +403,3 @@ class FederatedCNN:
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise FloatingPointError(f"{self.method.name}: global '{name}' became non-finite at round "
                                          f"{self.round + 1} (diverged): lower the local learning rate")
-
-
-def labels_per_client_partition(labels: np.ndarray, n_clients: int, labels_per_client: int,
-                                rng: np.random.Generator) -> list[np.ndarray]:
-    """The paper's Non-IID-2 split: every client holds exactly ``labels_per_client`` classes.
-
-    Decision (FedBAT-spec §6.3): labels are assigned as in the authors' code, balanced (each client in a
-    random order takes the least-used classes, ties broken at random), so every class is used and, for
-    FMNIST with N = 100 and 3 labels, has 30 holders; each class's rows are then shuffled and split equally
-    among its holders. The paper's "random labels" could leave a class unused.
-    """
-    labels = np.asarray(labels)
-    classes = np.unique(labels)
-    if not 1 <= labels_per_client <= classes.size:
-        raise ValueError(f"labels_per_client must be in [1, {classes.size}], got {labels_per_client}")
-    if n_clients < 1:
-        raise ValueError(f"n_clients must be >= 1, got {n_clients}")
-    usage = np.zeros(classes.size, dtype=np.int64)
-    holders: list[list[int]] = [[] for _ in classes]
-    for client in rng.permutation(n_clients):
-        tie_break = rng.random(classes.size)
-        for c in np.lexsort((tie_break, usage))[:labels_per_client]:
-            holders[c].append(int(client))
-            usage[c] += 1
-    parts: list[list[np.ndarray]] = [[] for _ in range(n_clients)]
-    for c, owners in enumerate(holders):
-        rows = rng.permutation(np.flatnonzero(labels == classes[c]))
-        if owners and rows.size < len(owners):
-            raise ValueError(f"class {classes[c]} has {rows.size} rows for {len(owners)} clients")
-        for client, piece in zip(owners, np.array_split(rows, len(owners)), strict=True):
-            parts[client].append(piece)
-    return [np.sort(np.concatenate(p)) for p in parts]

@@ -36,7 +36,7 @@ from vfl.hfl.base import (
     ServerModel,
     Uplink,
     VectorState,
-    check_compressor,
+    WithCompressor,
     compressor_label,
     zeros_like_clients,
 )
@@ -49,11 +49,14 @@ class TrackingVariates(VectorState):
     delta: torch.Tensor
 
 
-class FedComGate(Algorithm[ServerModel, TrackingVariates]):
+@dataclass(eq=False)
+class FedComGate(WithCompressor, Algorithm[ServerModel, TrackingVariates]):
     name = "fedcomgate"
 
-    def __init__(self, compressor: Compressor) -> None:
-        self.compressor = check_compressor(compressor, self.name)
+    compressor: Compressor
+
+    def __post_init__(self) -> None:
+        self._check_compressor()
 
     def init(self, ctx: InitContext) -> tuple[ServerModel, TrackingVariates]:
         return ServerModel(ctx.x0), TrackingVariates(zeros_like_clients(ctx.x0, ctx.n_clients))

@@ -41,7 +41,8 @@ Decisions where the paper is silent (also returned by :meth:`FedDRO.describe` fo
 
 The data-backed problem is :class:`FederatedDRO` (any :class:`TorchModel` + a
 :class:`~vfl.hfl.dro_objectives.LossComposition`); the closed-form toy problems are in
-:mod:`vfl.hfl.dro_objectives`. :func:`imbalanced_st_indices` builds the paper's "-ST" training sets.
+:mod:`vfl.hfl.dro_objectives`; :func:`vfl.hfl.partitions.imbalanced_st_indices` builds the paper's "-ST"
+training sets.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
-import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
@@ -244,23 +244,6 @@ class FederatedDRO:
         losses, _ = self.model.losses_and_predictions(w, self.data.X, self.data.y)
         return [losses[int(lo):int(hi)] for lo, hi in zip(self.data.offsets[:-1], self.data.offsets[1:],
                                                           strict=True)]
-
-
-def imbalanced_st_indices(labels: np.ndarray, n_keep: int = 100,
-                          minority: np.ndarray | None = None) -> np.ndarray:
-    """The paper's "-ST" construction (Appendix B, after Qi et al.): every class in the first half of
-    the classes keeps only its **last** ``n_keep`` rows in file order; the others keep all. Returns the
-    kept row indices, increasing. ``minority`` overrides which classes are cut."""
-    labels = np.asarray(labels)
-    classes = np.unique(labels)
-    minority = classes[: classes.size // 2] if minority is None else np.asarray(minority)
-    keep = np.ones(labels.size, dtype=bool)
-    for cls in minority:
-        rows = np.flatnonzero(labels == cls)
-        if rows.size < n_keep:
-            raise ValueError(f"class {cls} has {rows.size} rows, fewer than n_keep={n_keep}")
-        keep[rows[: rows.size - n_keep]] = False
-    return np.flatnonzero(keep)
 
 
 # ------------------------------------------------------------------------------------------ algorithm

@@ -19,6 +19,8 @@ Decisions:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vfl.hfl.base import (
     Algorithm,
     Compressor,
@@ -29,19 +31,22 @@ from vfl.hfl.base import (
     RoundContext,
     ServerModel,
     Uplink,
-    check_compressor,
+    WithCompressor,
     compressor_label,
 )
 
 
-class FedPAQ(Algorithm[ServerModel, NoClientState]):
+@dataclass(eq=False)
+class FedPAQ(WithCompressor, Algorithm[ServerModel, NoClientState]):
     name = "fedpaq"
 
-    def __init__(self, compressor: Compressor) -> None:
-        self.compressor = check_compressor(compressor, self.name)
+    compressor: Compressor
+
+    def __post_init__(self) -> None:
+        self._check_compressor()
         if not self.compressor.unbiased:
             raise ValueError(f"FedPAQ needs an unbiased quantizer (e.g. dithering), got "
-                             f"{compressor_label(compressor)}; for a biased compressor use fed-ef")
+                             f"{compressor_label(self.compressor)}; for a biased compressor use fed-ef")
 
     def init(self, ctx: InitContext) -> tuple[ServerModel, NoClientState]:
         return ServerModel(ctx.x0), NoClientState()

@@ -26,7 +26,7 @@ Decisions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,12 +35,12 @@ from vfl.hfl.base import (
     Downlink,
     FLConfig,
     InitContext,
+    LocalResult,
     Message,
     RoundContext,
     Uplink,
     VectorState,
 )
-from vfl.hfl.engine import LocalResult
 from vfl.hfl.scaffold import ControlInit, check_cv_init, initial_controls
 
 
@@ -80,11 +80,14 @@ def initial_cached_gradients(ctx: InitContext, cv_init: ControlInit) -> tuple[Ca
     return CachedControl(server.x, server.c), CachedGradients(u)
 
 
+@dataclass(eq=False)
 class Isca(Algorithm[CachedControl, CachedGradients]):
     name = "isca"
 
-    def __init__(self, *, cv_init: ControlInit = "full_grad") -> None:
-        self.cv_init = check_cv_init(cv_init)
+    cv_init: ControlInit = field(default="full_grad", kw_only=True)
+
+    def __post_init__(self) -> None:
+        check_cv_init(self.cv_init)
 
     def init(self, ctx: InitContext) -> tuple[CachedControl, CachedGradients]:
         return initial_cached_gradients(ctx, self.cv_init)

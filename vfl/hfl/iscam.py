@@ -27,6 +27,7 @@ Decisions:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal
 
 from vfl.hfl.base import (
@@ -37,7 +38,7 @@ from vfl.hfl.base import (
     InitContext,
     RoundContext,
     Uplink,
-    check_compressor,
+    WithCompressor,
     compressor_label,
 )
 from vfl.hfl.isca import CachedControl, CachedGradients, extra_gradient_pass, initial_cached_gradients
@@ -47,25 +48,26 @@ UUpdate = Literal["compressed", "uncompressed_literal"]
 U_UPDATES = ("compressed", "uncompressed_literal")
 
 
-class Iscam(Algorithm[CachedControl, CachedGradients]):
+@dataclass(eq=False)
+class Iscam(WithCompressor, Algorithm[CachedControl, CachedGradients]):
     name = "iscam"
 
-    def __init__(self, compressor: Compressor, beta1: float = 0.1, beta2: float = 0.1, *,
-                 cv_init: ControlInit = "full_grad", u_update: UUpdate = "compressed",
-                 allow_biased: bool = True) -> None:
-        if not 0.0 < beta1 <= 1.0:
-            raise ValueError(f"ISCAM beta1 must be in (0, 1], got {beta1}")
-        if not 0.0 <= beta2 <= 1.0:
-            raise ValueError(f"ISCAM beta2 must be in [0, 1], got {beta2}")
-        if u_update not in U_UPDATES:
-            raise ValueError(f"ISCAM u_update must be one of {U_UPDATES}, got {u_update!r}")
-        self.compressor = check_compressor(compressor, self.name)
-        if not allow_biased and not self.compressor.unbiased:
-            raise ValueError(f"ISCAM needs an unbiased compressor, got {compressor_label(compressor)}")
-        self.beta1 = beta1
-        self.beta2 = beta2
-        self.cv_init = check_cv_init(cv_init)
-        self.u_update = u_update
+    compressor: Compressor
+    beta1: float = 0.1
+    beta2: float = 0.1
+    cv_init: ControlInit = field(default="full_grad", kw_only=True)
+    u_update: UUpdate = field(default="compressed", kw_only=True)
+    allow_biased: bool = field(default=True, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.beta1 <= 1.0:
+            raise ValueError(f"ISCAM beta1 must be in (0, 1], got {self.beta1}")
+        if not 0.0 <= self.beta2 <= 1.0:
+            raise ValueError(f"ISCAM beta2 must be in [0, 1], got {self.beta2}")
+        if self.u_update not in U_UPDATES:
+            raise ValueError(f"ISCAM u_update must be one of {U_UPDATES}, got {self.u_update!r}")
+        check_cv_init(self.cv_init)
+        self._check_compressor(unbiased=not self.allow_biased)
 
     def init(self, ctx: InitContext) -> tuple[CachedControl, CachedGradients]:
         return initial_cached_gradients(ctx, self.cv_init)

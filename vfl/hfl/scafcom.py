@@ -12,7 +12,7 @@ paper's theorems and remarks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,7 +26,7 @@ from vfl.hfl.base import (
     ServerControl,
     Uplink,
     VectorState,
-    check_compressor,
+    WithCompressor,
     compressor_label,
 )
 from vfl.hfl.scaffold import (
@@ -46,15 +46,19 @@ class ControlMomentum(VectorState):
     v: torch.Tensor
 
 
-class Scafcom(Algorithm[ServerControl, ControlMomentum]):
+@dataclass(eq=False)
+class Scafcom(WithCompressor, Algorithm[ServerControl, ControlMomentum]):
     name = "scafcom"
 
-    def __init__(self, compressor: Compressor, beta: float = 0.2, *, cv_init: ControlInit = "zeros") -> None:
-        if not 0.0 < beta <= 1.0:
-            raise ValueError(f"SCAFCOM beta must be in (0, 1], got {beta}")
-        self.compressor = check_compressor(compressor, self.name)
-        self.beta = beta
-        self.cv_init = check_cv_init(cv_init)
+    compressor: Compressor
+    beta: float = 0.2
+    cv_init: ControlInit = field(default="zeros", kw_only=True)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.beta <= 1.0:
+            raise ValueError(f"SCAFCOM beta must be in (0, 1], got {self.beta}")
+        self._check_compressor()
+        check_cv_init(self.cv_init)
 
     def init(self, ctx: InitContext) -> tuple[ServerControl, ControlMomentum]:
         server, c_clients = initial_controls(ctx, self.cv_init)

@@ -20,7 +20,7 @@ an independent estimate. The initialisation pass is not counted in the bit ledge
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -30,6 +30,7 @@ from vfl.hfl.base import (
     Downlink,
     FLConfig,
     InitContext,
+    LocalResult,
     Message,
     RoundContext,
     ServerControl,
@@ -37,7 +38,6 @@ from vfl.hfl.base import (
     VectorState,
     zeros_like_clients,
 )
-from vfl.hfl.engine import LocalResult
 
 ControlInit = Literal["zeros", "full_grad", "minibatch"]
 CONTROL_INITS = ("zeros", "full_grad", "minibatch")
@@ -81,11 +81,14 @@ def apply_control_messages(server: ServerControl, messages: torch.Tensor, config
     return ServerControl(x, c)
 
 
+@dataclass(eq=False)
 class _ScaffoldFamily(Algorithm[ServerControl, ControlVariates]):
     """Shared state and downlink of the control-variate methods that keep only c_i per client."""
 
-    def __init__(self, cv_init: ControlInit = "zeros") -> None:
-        self.cv_init = check_cv_init(cv_init)
+    cv_init: ControlInit = field(default="zeros", kw_only=True)
+
+    def __post_init__(self) -> None:
+        check_cv_init(self.cv_init)
 
     def init(self, ctx: InitContext) -> tuple[ServerControl, ControlVariates]:
         server, c_clients = initial_controls(ctx, self.cv_init)
@@ -98,6 +101,7 @@ class _ScaffoldFamily(Algorithm[ServerControl, ControlVariates]):
         return {"algorithm": self.name, "cv_init": self.cv_init}
 
 
+@dataclass(eq=False)
 class ScaffoldTwoVector(_ScaffoldFamily):
     """Algorithm 3: the original SCAFFOLD, two full-precision uplink vectors."""
 
@@ -120,6 +124,7 @@ class ScaffoldTwoVector(_ScaffoldFamily):
         return ServerControl(x, c), {}
 
 
+@dataclass(eq=False)
 class Scaffold(_ScaffoldFamily):
     """Algorithm 4: SCAFFOLD with the single uplink vector Δ_i = ḡ_i − c_i (full precision)."""
 

@@ -12,6 +12,8 @@ unbiased one; pass ``allow_biased=False`` to refuse biased compressors.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from vfl.hfl.base import (
     Compressor,
     Downlink,
@@ -19,11 +21,10 @@ from vfl.hfl.base import (
     RoundContext,
     ServerControl,
     Uplink,
-    check_compressor,
+    WithCompressor,
     compressor_label,
 )
 from vfl.hfl.scaffold import (
-    ControlInit,
     ControlVariates,
     _ScaffoldFamily,
     apply_control_messages,
@@ -31,18 +32,19 @@ from vfl.hfl.scaffold import (
 )
 
 
-class Scallion(_ScaffoldFamily):
+@dataclass(eq=False)
+class Scallion(WithCompressor, _ScaffoldFamily):
     name = "scallion"
 
-    def __init__(self, compressor: Compressor, alpha: float = 0.1, *, cv_init: ControlInit = "zeros",
-                 allow_biased: bool = True) -> None:
-        super().__init__(cv_init)
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"SCALLION alpha must be in (0, 1], got {alpha}")
-        self.compressor = check_compressor(compressor, self.name)
-        if not allow_biased and not self.compressor.unbiased:
-            raise ValueError(f"SCALLION needs an unbiased compressor, got {compressor_label(compressor)}")
-        self.alpha = alpha
+    compressor: Compressor
+    alpha: float = 0.1
+    allow_biased: bool = field(default=True, kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"SCALLION alpha must be in (0, 1], got {self.alpha}")
+        self._check_compressor(unbiased=not self.allow_biased)
 
     def client_update(self, down: Downlink, clients: ControlVariates, ctx: RoundContext
                       ) -> tuple[Uplink, ControlVariates]:

@@ -16,9 +16,9 @@ up in float32 exactly as for FedBAT.
     fedpaq         an injected unbiased quantizer (:class:`vfl.hfl.fedpaq.FedPAQ`'s) on the flattened update
 
 Decisions (the paper is silent): norms and scales are per tensor (mirroring FedBAT's per-layer α);
-sign(0) is sent as + (one bit cannot carry 0); the sign messages use :mod:`vfl.hfl.binarize`'s format
-(bits, plus one float32 per tensor where the scale is not fixed), so the uplink is counted from the
-packed bytes.
+sign(0) is sent as + (one bit cannot carry 0); the messages are in the injected codec's format
+(``protocols.compression.layers.LayerCodec``: bits, plus one float32 per tensor where the scale is not
+fixed; float32 for FedAvg), so the uplink is counted from the packed bytes.
 """
 
 from __future__ import annotations
@@ -27,16 +27,18 @@ import math
 from abc import abstractmethod
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from vfl.hfl.binarize import decode_signs, encode_signs
-from vfl.hfl.fedbat import LocalTrainer, Method, State, Upload
+from vfl.hfl.fedbat import LayerCodec, LocalTrainer, Method, State, Upload, check_codec
 from vfl.hfl.fedpaq import FedPAQ
 
 
 class PostTraining(Method):
-    """Local SGD as in FedAvg, then :meth:`compress` the update of the binarized tensors."""
+    """Local SGD as in FedAvg, then :meth:`compress` the update of the binarized tensors into the
+    injected codec's format."""
+
+    def __init__(self, codec: LayerCodec) -> None:
+        self.codec = check_codec(codec, self.name)
 
     def client(self, trainer: LocalTrainer, global_state: State, client: int, data_stream: torch.Generator,
                client_stream: torch.Generator) -> Upload:
@@ -56,11 +58,11 @@ def _check_positive(**values: float) -> None:
             raise ValueError(f"{name} must be a positive finite number, got {value}")
 
 
-def _signed(bits: list[torch.Tensor], shapes: Sequence[torch.Size], scales: Sequence[float] | None,
-            fixed_alpha: float = 1.0) -> tuple[list[torch.Tensor], int]:
+def _signed(codec: LayerCodec, bits: list[torch.Tensor], shapes: Sequence[torch.Size],
+            scales: Sequence[float] | None, fixed_alpha: float = 1.0) -> tuple[list[torch.Tensor], int]:
     """Pack, unpack, rescale: the decoded update and the message size."""
-    payload = encode_signs(bits, scales or ())
-    signs, sent = decode_signs(payload, shapes, len(scales or ()))
+    payload = codec.encode_signs(bits, scales or ())
+    signs, sent = codec.decode_signs(payload, shapes, len(scales or ()))
     if scales:
         return [a * s for a, s in zip(sent, signs, strict=True)], 8 * len(payload)
     return [fixed_alpha * s for s in signs], 8 * len(payload)
@@ -73,10 +75,8 @@ class FullPrecisionUpdate(PostTraining):
 
     def compress(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
                  generator: torch.Generator) -> tuple[list[torch.Tensor], int]:
-        payload = np.concatenate([u.reshape(-1).numpy().astype("<f4") for u in update]).tobytes()
-        flat = torch.from_numpy(np.frombuffer(payload, dtype="<f4").astype(np.float32))
-        sizes = [math.prod(s) for s in shapes]
-        return [p.reshape(s) for p, s in zip(flat.split(sizes), shapes, strict=True)], 8 * len(payload)
+        payload = self.codec.encode_floats(update)
+        return self.codec.decode_floats(payload, shapes), 8 * len(payload)
 
 
 class SignSGD(PostTraining):
@@ -84,13 +84,14 @@ class SignSGD(PostTraining):
 
     name = "signsgd"
 
-    def __init__(self, alpha: float = 0.001) -> None:
+    def __init__(self, codec: LayerCodec, alpha: float = 0.001) -> None:
+        super().__init__(codec)
         _check_positive(alpha=alpha)
         self.alpha = float(alpha)
 
     def compress(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
                  generator: torch.Generator) -> tuple[list[torch.Tensor], int]:
-        return _signed([u >= 0 for u in update], shapes, None, self.alpha)
+        return _signed(self.codec, [u >= 0 for u in update], shapes, None, self.alpha)
 
     def describe(self) -> dict[str, object]:
         return {"method": self.name, "alpha": self.alpha}
@@ -101,7 +102,8 @@ class EFSignSGD(PostTraining):
 
     name = "ef-signsgd"
 
-    def __init__(self) -> None:
+    def __init__(self, codec: LayerCodec) -> None:
+        super().__init__(codec)
         self.errors: dict[int, list[torch.Tensor]] = {}
 
     def compress(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
@@ -109,7 +111,7 @@ class EFSignSGD(PostTraining):
         error = self.errors.get(client, [torch.zeros_like(u) for u in update])
         corrected = [u + e for u, e in zip(update, error, strict=True)]
         scales = [float(p.abs().mean()) for p in corrected]
-        sent, bits = _signed([p >= 0 for p in corrected], shapes, scales)
+        sent, bits = _signed(self.codec, [p >= 0 for p in corrected], shapes, scales)
         self.errors[client] = [p - s for p, s in zip(corrected, sent, strict=True)]
         return sent, bits
 
@@ -119,14 +121,15 @@ class NoisySignSGD(PostTraining):
 
     name = "noisy-signsgd"
 
-    def __init__(self, alpha: float = 0.01, sigma: float = 0.01) -> None:
+    def __init__(self, codec: LayerCodec, alpha: float = 0.01, sigma: float = 0.01) -> None:
+        super().__init__(codec)
         _check_positive(alpha=alpha, sigma=sigma)
         self.alpha, self.sigma = float(alpha), float(sigma)
 
     def compress(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
                  generator: torch.Generator) -> tuple[list[torch.Tensor], int]:
         noisy = [u + self.sigma * torch.randn(u.shape, generator=generator, dtype=u.dtype) for u in update]
-        return _signed([n >= 0 for n in noisy], shapes, None, self.alpha)
+        return _signed(self.codec, [n >= 0 for n in noisy], shapes, None, self.alpha)
 
     def describe(self) -> dict[str, object]:
         return {"method": self.name, "alpha": self.alpha, "sigma": self.sigma}
@@ -137,7 +140,8 @@ class StocSignSGD(PostTraining):
 
     name = "stoc-signsgd"
 
-    def __init__(self, alpha: float = 0.01) -> None:
+    def __init__(self, codec: LayerCodec, alpha: float = 0.01) -> None:
+        super().__init__(codec)
         _check_positive(alpha=alpha)
         self.alpha = float(alpha)
 
@@ -148,7 +152,7 @@ class StocSignSGD(PostTraining):
             top = u.abs().max()
             ratio = u / top if top > 0 else torch.zeros_like(u)
             bits.append(torch.rand(u.shape, generator=generator, dtype=u.dtype) < (1 + ratio) / 2)
-        return _signed(bits, shapes, None, self.alpha)
+        return _signed(self.codec, bits, shapes, None, self.alpha)
 
     def describe(self) -> dict[str, object]:
         return {"method": self.name, "alpha": self.alpha, "norm": "per-tensor l_inf"}
@@ -160,7 +164,8 @@ class FedPAQUpdate(PostTraining):
 
     name = "fedpaq"
 
-    def __init__(self, fedpaq: FedPAQ) -> None:
+    def __init__(self, codec: LayerCodec, fedpaq: FedPAQ) -> None:
+        super().__init__(codec)
         if not isinstance(fedpaq, FedPAQ):
             raise TypeError(f"expected a vfl.hfl.fedpaq.FedPAQ (it validates the quantizer), got "
                             f"{type(fedpaq).__name__}")

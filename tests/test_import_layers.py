@@ -1,0 +1,109 @@
+"""The import graph of ``vfl/``, ``parties/`` and ``protocols/`` has no cycles and points down the layers.
+
+Read from the source (AST), so every import counts: module level, inside functions, and the type-only
+ones under ``if TYPE_CHECKING:`` (a cycle hidden there still couples the two modules). ``from pkg import
+name`` points at the submodule ``pkg.name`` when there is one, else at the package ``pkg``; a package's
+``__init__`` running first is Python's, not an edge (else every package with submodules would be a cycle).
+
+Layers: ``protocols`` (codecs, transports) and ``vfl`` (the algorithms) import neither each other nor
+``parties``, which runs them across processes; compressors reach ``vfl.hfl`` by injection. The entry
+points that start a run, ``vfl.cli`` and ``vfl.estimator``, are the exception: they call into ``parties``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("vfl", "parties", "protocols")
+ENTRY_POINTS = {"vfl.cli", "vfl.estimator"}
+MAY_NOT_IMPORT = {"protocols": ("vfl", "parties"), "vfl": ("parties", "protocols")}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module → the modules of these packages that it imports, anywhere in its source."""
+    graph = {}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join([*package[: len(package) - node.level + 1], *filter(None, [base])])
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.add(sub if sub in modules else base)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(import_graph(_modules())) == []
+
+
+def test_imports_point_down_the_layers() -> None:
+    wrong = [f"{source} imports {target}" for source, targets in import_graph(_modules()).items()
+             if source not in ENTRY_POINTS
+             for target in sorted(targets)
+             if target.split(".")[0] in MAY_NOT_IMPORT.get(source.split(".")[0], ())]
+    assert wrong == []
+
+
+@pytest.mark.parametrize("type_only", [False, True])
+def test_the_checker_sees_a_cycle_even_behind_type_checking(tmp_path: Path, type_only: bool) -> None:
+    """The detector itself: two modules that import each other (one of them only for typing) are found."""
+    (tmp_path / "a.py").write_text("from b import B\n")
+    guard = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    " if type_only else ""
+    (tmp_path / "b.py").write_text(f"{guard}from a import A\n")
+    (tmp_path / "c.py").write_text("import a\n")
+    modules = {p.stem: p for p in sorted(tmp_path.glob("*.py"))}
+    graph = import_graph(modules)
+    assert graph == {"a": {"b"}, "b": {"a"}, "c": {"a"}}
+    assert cycles(graph) == [["a", "b"]]
