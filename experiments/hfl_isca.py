@@ -44,6 +44,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,6 +65,7 @@ from experiments.hfl_scafcom import (
     machine_note,
     markdown_table,
     percent,
+    reload_run,
     run_with_fallback,
     save_figure,
     write_csv,
@@ -109,7 +111,12 @@ def runs(quick: bool) -> dict[str, list[RunSpec]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser(__doc__.splitlines()[0], "experiments/results/hfl_isca", rounds=300, tune_rounds=50)
+    parser.add_argument("--replot", action="store_true",
+                        help="only redraw the figures from summary.csv and <split>/metrics/ (no training)")
     args = parser.parse_args(argv)
+    if args.replot:
+        print(f"redrew {', '.join(map(str, replot(args.out)))}")
+        return 0
     if args.quick:
         args.rounds, args.tune_rounds, args.eval_every = 15, 0, 5
     torch.set_num_threads(args.threads)
@@ -172,12 +179,35 @@ def write_report(args: argparse.Namespace, groups: dict[str, list[RunSpec]],
                "seconds_total": seconds, "machine": machine_note()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
 
+    save_figures(out, groups, results)
+    (out / "results.md").write_text(_markdown(args, groups, results, gaps, headline, tuning_rows, seconds))
+    return summary
+
+
+def save_figures(out: Path, groups: dict[str, list[RunSpec]], results: dict[str, dict[str, RunResult]]
+                 ) -> list[Path]:
+    """One figure per group: a row of panels per split, one colour per method, one legend."""
     titles = {"fig1_4": "full precision", "fig2_5": "2-bit dithering", "fig3_6": "4-bit dithering"}
     for name, specs in groups.items():
         save_figure(out / f"{name}.png", [(f"{SPLIT_LABEL[split]}, {titles[name]}",
                                            [results[split][s.key] for s in specs]) for split in SPLITS])
-    (out / "results.md").write_text(_markdown(args, groups, results, gaps, headline, tuning_rows, seconds))
-    return summary
+    return [out / f"{name}.png" for name in groups]
+
+
+def replot(out: Path) -> list[Path]:
+    """Redraw the figures from the committed ``summary.csv``/``summary.json`` and ``<split>/metrics/``
+    (no training)."""
+    import csv
+
+    summary = json.loads((out / "summary.json").read_text())
+    groups = runs(bool(summary["quick"]))
+    specs = {spec.key: spec for group in groups.values() for spec in group}
+    with open(out / "summary.csv", newline="", encoding="utf-8") as handle:
+        rows = {(row["split"], row["run"]): row for row in csv.DictReader(handle)}
+    rounds = int(summary["rounds"])
+    results = {split: {key: reload_run(out / split / "metrics", spec, rows[(split, key)], rounds)
+                       for key, spec in specs.items()} for split in SPLITS}
+    return save_figures(out, groups, results)
 
 
 def _markdown(args: argparse.Namespace, groups: dict[str, list[RunSpec]],

@@ -41,6 +41,7 @@ import math
 import os
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -376,18 +377,18 @@ def megabits(bits: float | None) -> str:
 BASELINE_COLOURS = {"SCAFFOLD (32-bit)": "black", "FedAvg (32-bit)": "tab:gray"}
 
 
-def plot_runs(ax_rows: Any, results: Sequence[RunResult], title: str, colour: dict[str, str]) -> None:
+def plot_runs(ax_rows: Any, results: Sequence[RunResult], title: str, colour: dict[str, str],
+              legend: dict[str, str] | None = None) -> None:
     """Three panels: train loss vs rounds, test accuracy vs rounds, test accuracy vs uplink bits;
-    ``colour``: label -> colour, the same on every panel of the figure."""
+    ``colour``: label -> colour, the same on every panel of the figure; ``legend``: label -> the
+    legend's text for it (default: the label)."""
     loss_ax, acc_ax, bits_ax = ax_rows
     for result in results:
         evals = result.evaluations
-        label = result.spec.label
-        if result.diverged_at is not None:  # named in the legend, even with no evaluation to draw
-            label += f" (diverged at round {result.diverged_at}{'' if evals else ', before any evaluation'})"
         rounds = [r["round"] for r in evals]
         accuracy = [100 * r["test_accuracy"] for r in evals]
-        style = {"label": label, "color": colour[result.spec.label],
+        label = result.spec.label
+        style = {"label": (legend or {}).get(label, label), "color": colour[label],
                  "linestyle": "--" if result.spec.compressor is None else "-"}
         loss_ax.plot(rounds, [r["train_loss"] for r in evals], **style)
         acc_ax.plot(rounds, accuracy, **style)
@@ -409,10 +410,25 @@ def save_figure(path: Path, groups: Sequence[tuple[str, Sequence[RunResult]]]) -
     colour = colours(labels, fixed={k: v for k, v in BASELINE_COLOURS.items() if k in labels})
     fig, axes = plt.subplots(len(groups), 3, figsize=(15, 4 * len(groups) + 0.6), squeeze=False,
                              layout="constrained")
+    legend = diverged_legend(groups)
     for row, (title, results) in zip(axes, groups, strict=True):
-        plot_runs(row, results, title, colour)
+        plot_runs(row, results, title, colour, legend)
     figure_legend(fig)
     save(fig, path)
+
+
+def diverged_legend(groups: Sequence[tuple[str, Sequence[RunResult]]]) -> dict[str, str]:
+    """label -> legend text naming where the method diverged (one entry per method, even when it
+    diverged in several rows, and even before its first evaluation, when there is no line to draw)."""
+    rows_of = Counter(result.spec.label for _, results in groups for result in results)
+    notes: dict[str, list[str]] = {}
+    for title, results in groups:
+        for result in results:
+            if result.diverged_at is not None:
+                where = f"{title.split(',')[0]} " if rows_of[result.spec.label] > 1 else ""
+                late = "" if result.evaluations else ", before any evaluation"
+                notes.setdefault(result.spec.label, []).append(f"{where}at round {result.diverged_at}{late}")
+    return {label: f"{label} (diverged {'; '.join(found)})" for label, found in notes.items()}
 
 
 def save_figures(out: Path, groups: dict[str, list[RunSpec]], results: dict[str, RunResult]) -> list[Path]:
@@ -439,20 +455,25 @@ def replot(out: Path) -> list[Path]:
     specs = {spec.key: spec for group in groups.values() for spec in group}
     with open(out / "summary.csv", newline="", encoding="utf-8") as handle:
         rows = {row["run"]: row for row in csv.DictReader(handle)}
-    results = {}
-    for key, spec in specs.items():
-        lr_local, lr_global = float(rows[key]["lr_local"]), float(rows[key]["lr_global"])
-        stem = out / "metrics" / key
-        done = _with_suffix(stem, ".done.json")
-        meta = json.loads(done.read_text()) if done.exists() else {}
-        if (meta.get("lr_local"), meta.get("lr_global")) != (lr_local, lr_global):
-            stem = out / "metrics" / f"{key}_l{lr_local:g}_g{lr_global:g}"   # a fallback pair
-        result = _reload(_with_suffix(stem, ".jsonl"), spec, lr_local, lr_global, int(summary["rounds"]))
-        if result is None:
-            raise FileNotFoundError(f"{stem}.jsonl: no finished run of {key} at "
-                                    f"({lr_local:g}, {lr_global:g})")
-        results[key] = result
+    results = {key: reload_run(out / "metrics", spec, rows[key], int(summary["rounds"]))
+               for key, spec in specs.items()}
     return save_figures(out, groups, results)
+
+
+def reload_run(metrics: Path, spec: RunSpec, row: dict[str, str], rounds: int) -> RunResult:
+    """The finished run of ``spec`` in ``metrics/`` at the (η_l, η_g) its summary ``row`` names: under
+    its own name, or under a fallback pair's name (:func:`run_with_fallback`)."""
+    lr_local, lr_global = float(row["lr_local"]), float(row["lr_global"])
+    stem = metrics / spec.key
+    done = _with_suffix(stem, ".done.json")
+    meta = json.loads(done.read_text()) if done.exists() else {}
+    if (meta.get("lr_local"), meta.get("lr_global")) != (lr_local, lr_global):
+        stem = metrics / f"{spec.key}_l{lr_local:g}_g{lr_global:g}"
+    result = _reload(_with_suffix(stem, ".jsonl"), spec, lr_local, lr_global, rounds)
+    if result is None:
+        raise FileNotFoundError(f"{stem}.jsonl: no finished run of {spec.key} at "
+                                f"({lr_local:g}, {lr_global:g})")
+    return result
 
 
 def machine_note() -> str:

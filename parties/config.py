@@ -258,6 +258,7 @@ def _validate_data(c: RunConfig) -> None:
         from vfl.datasets.csv_parties import is_csv_folder
 
         if is_csv_folder(folder):
+            csv_party_folder.cache_clear()  # read the files as they are now, not as an earlier job saw them
             parties = csv_party_folder(str(folder), c.parties, c.active, PROBLEMS[c.problem].task)
             _check_saga_table(c, parties[0].X_train.shape[0], max(p.n_features for p in parties))
             return

@@ -236,3 +236,19 @@ def test_hfl_scafcom_replot_fixed_colours_and_diverged_runs_named(tmp_path, save
     assert "SCALLION 2-bit α=1 (diverged at round 7, before any evaluation)" in legend
     colours = [next(iter(c)) for c in _colours_by_label(fig4).values()]
     assert len(set(colours)) == len(colours) == 9   # β and α runs: no two lines share a colour
+
+
+def test_hfl_isca_replot_names_a_method_once_where_it_diverged_in_both_splits(tmp_path, saved_figures):
+    import shutil
+
+    isca = pytest.importorskip("experiments.hfl_isca")   # needs torch
+    source = COMMITTED / "hfl_isca"
+    for name in ("summary.csv", "summary.json"):
+        shutil.copy(source / name, tmp_path / name)
+    for split in ("iid", "shards"):
+        shutil.copytree(source / split / "metrics", tmp_path / split / "metrics")
+    assert [p.name for p in isca.replot(tmp_path)] == ["fig1_4.png", "fig2_5.png", "fig3_6.png"]
+    _check_conventions(saved_figures)
+    legend = [t.get_text() for t in saved_figures[1].legends[0].get_texts()]
+    assert legend == ["ISCAM 2-bit", "SCALLION 2-bit",
+                      "FedCOMGATE 2-bit (diverged IID at round 112; non-IID at round 80)"]
