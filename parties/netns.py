@@ -136,11 +136,19 @@ def plan(n_hosts: int, *, prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SU
 def teardown(prefix: str = DEFAULT_PREFIX) -> list[str]:
     """Remove the namespaces, bridge and files of ``prefix``; returns what was removed (idempotent).
 
-    Deleting a namespace deletes its veth end, and with it the peer on the bridge.
+    The host-side veth ends are deleted first, explicitly: deleting a namespace destroys its end (and
+    so the pair) only when the kernel's asynchronous namespace cleanup runs, and a setup right after a
+    teardown then found the old pair still there ("File exists").
     """
     if not _PREFIX.fullmatch(prefix):
         raise NetnsError(f"prefix {prefix!r}: 1-10 lower-case letters and digits, starting with a letter")
     removed = []
+    links = _run(["ip", "-o", "link", "show"], check=False).stdout.splitlines()
+    for line in links:
+        fields = line.split(":")
+        name = fields[1].strip().split("@")[0] if len(fields) > 1 else ""
+        if re.fullmatch(rf"{prefix}\d+h", name):
+            _run(["ip", "link", "delete", name], check=False)
     listed = _run(["ip", "netns", "list"], check=False).stdout.split()
     for name in listed:
         if re.fullmatch(rf"{prefix}-h\d+", name):

@@ -103,7 +103,7 @@ def test_async_quick_runs_both_modes_and_plots(out):
     (row,) = summary
     assert row["async_updates_per_s"] > 0 and row["sync_updates_per_s"] > 0
     modes = {r["mode"] for r in rows(folder / "runs.csv")}
-    assert modes == {"async", "sync"}
+    assert modes == {"async", "sync-global"}
     assert row["async_final_gap"] < 0.05 and row["sync_final_gap"] < 0.05  # both trained
     assert (folder / "fig3_logistic.png").stat().st_size > 0
     assert "sync/async" in (folder / "async_vs_sync.md").read_text()
