@@ -37,6 +37,28 @@ def test_a_csv_folder_becomes_binary_party_files_with_the_same_rows(tmp_path):
     np.testing.assert_array_equal(passive.X_test, [[9]])
     assert active.columns.tolist() == [0, 1] and passive.columns.tolist() == [2]
     assert active.feature_names == ("age", "income") and passive.feature_names == ("visits",)
+    assert all(path.is_dir() for path in paths)  # memory-mappable folders, not .npz copies
+
+
+def test_vfl_split_takes_one_labelled_csv_file(tmp_path, capsys):
+    """A user's own single CSV (id, label, features; no split column) splits into party folders with
+    a seeded 80/20 split, labels only at the active party; a broken line is one error naming it."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(50, 5))
+    lines = ["id,label,a,b,c,d,e"] + [f"{100 + i},{i % 2}," + ",".join(f"{v:.3f}" for v in X[i])
+                                       for i in range(50)]
+    source = tmp_path / "customers.csv"
+    source.write_text("\n".join(lines) + "\n")
+    assert main(["split", str(source), "-n", "3", "-m", "1", "--out", str(tmp_path / "parts")]) == 0
+    parties = [load_party_file(tmp_path / "parts" / f"party-{p}") for p in range(3)]
+    assert [p.has_labels for p in parties] == [True, False, False]
+    assert sum(p.n_features for p in parties) == 5
+    assert parties[0].X_train.shape[0] == 40 and parties[0].X_test.shape[0] == 10
+    np.testing.assert_array_equal(np.sort(np.concatenate([parties[1].train_ids, parties[1].test_ids])),
+                                  np.arange(100, 150))
+    source.write_text("\n".join([*lines[:10], "105,1,1.0", *lines[10:]]) + "\n")
+    assert main(["split", str(source), "-n", "3", "--out", str(tmp_path / "parts2")]) == 2
+    assert "customers.csv, line 11" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("texts, fragments", [

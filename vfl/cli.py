@@ -42,7 +42,15 @@ def _cmd_split(args: argparse.Namespace) -> int:
 
     active = _parse_active(args.active, args.parties)
     partition_seed = args.seed if args.partition_seed is None else args.partition_seed
-    if _is_file_argument(args.dataset):
+    if args.dataset.lower().endswith(".csv"):
+        from vfl.datasets.csv_parties import csv_file_dataset
+
+        ds = csv_file_dataset(args.dataset, args.task or "binary", args.seed)
+        blocks = (contiguous_blocks(ds.n_features, args.parties) if args.contiguous
+                  else random_blocks(ds.n_features, args.parties, seed=partition_seed))
+        paths = split_to_party_files(ds, blocks, active, args.out, partition_seed=partition_seed,
+                                     overwrite=args.overwrite, layout=args.format)
+    elif _is_file_argument(args.dataset):
         from vfl.datasets.stream_split import split_libsvm_file
 
         if args.format != "folder":
@@ -189,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_datasets)
 
     p = sub.add_parser("split", help="write one file per party (features; labels only for active parties)")
-    p.add_argument("dataset", help="a registered dataset name, or a LIBSVM file (split in streaming, "
-                                   "in bounded memory)")
+    p.add_argument("dataset", help="a registered dataset name, a LIBSVM file (split in streaming, "
+                                   "in bounded memory), or one CSV file with id, label and feature columns")
     p.add_argument("-n", "--parties", type=int, required=True, help="q, number of parties")
     p.add_argument("-m", "--active", default="1", help="count m (parties 0..m-1) or list like 0,2")
     p.add_argument("--out", required=True, help="folder for party-<p>/ (or party-<p>.npz) and manifest.json")
@@ -200,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-features", type=int, default=None,
                    help="LIBSVM file: its width (default: a stand-in's sidecar, else the largest index)")
     p.add_argument("--task", choices=("binary", "regression", "multiclass"), default="binary",
-                   help="LIBSVM file: how its labels are read")
+                   help="LIBSVM or CSV file: how its labels are read")
     p.add_argument("--chunk-mb", type=float, default=8.0, help="LIBSVM file: text read per chunk (MiB)")
     p.add_argument("--seed", type=int, default=0, help="train/test split seed")
     p.add_argument("--partition-seed", type=int, default=None,

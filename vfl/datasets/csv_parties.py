@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vfl.datasets.base import Dataset
+from vfl.datasets.base import Dataset, seeded_split
 from vfl.datasets.party_files import PartyData, check_aligned, load_party_file, split_to_party_files
 from vfl.datasets.validation import DataValidationError
 
@@ -68,4 +68,20 @@ def csv_parties_to_party_files(parties: Sequence[PartyData], active: int, out_di
                       np.hstack([p.X_test for p in parties]), labelled.y_test, labelled.train_ids,
                       labelled.test_ids, seed=None,
                       feature_names=names if len(names) == int(starts[-1]) else None)
-    return split_to_party_files(dataset, blocks, list(range(active)), out_dir, overwrite=True)
+    # the memory-mappable layout: the ranks map the converted blocks instead of each holding a copy
+    return split_to_party_files(dataset, blocks, list(range(active)), out_dir, overwrite=True,
+                                layout="folder")
+
+
+def csv_file_dataset(path: str | Path, task: str, seed: int) -> Dataset:
+    """One labelled CSV file (``id``, ``label``, optional ``split``, feature columns; the format of an
+    active party's file) as a :class:`Dataset`, for ``vfl split FILE.csv``. Without a ``split`` column
+    the rows are split 80/20 with ``seed``, as the registered datasets are."""
+    data = load_party_file(path, expect_labels=True, task=task)
+    X, y, ids = data.X_train, data.y_train, data.train_ids
+    if data.X_test.shape[0] == 0:  # no split column: every row came as a training row
+        train, test = seeded_split(X.shape[0], seed)
+        return Dataset(Path(path).stem, task, X[train], y[train], X[test], y[test], ids[train], ids[test],
+                       seed=seed, feature_names=data.feature_names)
+    return Dataset(Path(path).stem, task, X, y, data.X_test, data.y_test, ids, data.test_ids, seed=None,
+                   feature_names=data.feature_names)
