@@ -38,6 +38,7 @@ from experiments._vfb2_runner import (
     time_to_target,
     write_rows,
 )
+from parties.outcomes import EXIT_CODES
 from vfl.algorithms.serial import run_serial
 from vfl.datasets import get_spec, load
 from vfl.partition import random_blocks
@@ -116,9 +117,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         result = run_job(config, f"{name}-B{batch}-P{p_inflight}-d{delay:g}")
                     except RuntimeError as error:  # diverged or failed: a result too, said as such
                         say(f"{name} B={batch} P={p_inflight} delay={delay:g}: {error}")
+                        diverged = f"exit code {EXIT_CODES['diverged']}" in str(error)
                         rows.append({"dataset": name, "batch": batch, "inflight": p_inflight,
-                                     "delay_ms": delay, "gamma": gamma, "status": "failed",
-                                     "load": load_now})
+                                     "delay_ms": delay, "gamma": gamma,
+                                     "status": "diverged" if diverged else "failed",
+                                     "serial_time_to_target": serial_time, "load": load_now})
                         continue
                     reached = result.time_to(target)
                     rows.append({
@@ -155,13 +158,14 @@ def write(rows: list[dict], meta: dict, out) -> None:
          "serial time", "federation cost"],
         [[r["dataset"], r["batch"], r["inflight"], f"{r['delay_ms']:g}", f"{r['gamma']:.3g}",
           fmt(r.get("updates_per_s"), 0), fmt(r.get("samples_per_s"), 0),
-          seconds(r.get("time_to_target"), meta["time_limit"]) if r["status"] != "failed" else "failed",
+          (seconds(r.get("time_to_target"), meta["time_limit"])
+           if r["status"] in ("reached", "not reached") else r["status"]),
           seconds(r.get("serial_time_to_target")), fmt(r.get("federation_cost"))] for r in rows])
     header = (f"`{meta['command']}` — VFB²-SVRG, q = {PARTIES}, m = {ACTIVE}, λ = {LAM:g}; {meta['cpu']}, "
               f"load {meta['load_before'][0]:.1f} → {meta['load_after'][0]:.1f} (per job: results.csv)\n\n")
     (out / "table.md").write_text(header + table)
     datasets = sorted({r["dataset"] for r in rows})
-    fig, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(datasets), figsize=(max(8.0, 5.5 * len(datasets)), 5), squeeze=False)
     for ax, dataset in zip(axes[0], datasets, strict=True):
         mine = [r for r in rows if r["dataset"] == dataset and r.get("time_to_target") is not None]
         for delay in sorted({r["delay_ms"] for r in mine}):
@@ -186,8 +190,8 @@ def write(rows: list[dict], meta: dict, out) -> None:
         for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, h)
     if handles:
-        fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+        fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
     fig.savefig(out / "time_to_target.png", dpi=120)
     print(header + table)
 
