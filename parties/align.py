@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from parties.outcomes import STOP_LINE, find_stop
 from protocols import psi
 
 #: Exit codes, as for ``vfl train`` (parties.outcomes.EXIT_CODES).
@@ -242,7 +243,7 @@ def align_ids(comm, ids: list[str], context: bytes = b"") -> RankResult:
 
 
 def _stop(comm, rank: int, line: str, code: int) -> None:
-    print(f"[party {rank}] {line}", file=sys.stderr, flush=True)
+    print(line, file=sys.stderr, flush=True)
     comm.Abort(code)
 
 
@@ -263,13 +264,13 @@ def run_rank(argv: list[str] | None = None) -> None:
             table = read_table(Path(args.ids[rank]), args.id_column)
             ids = table.ids
     except (AlignInputError, OSError) as err:
-        _stop(comm, rank, f"stop: {err}", EXIT_USAGE)
+        _stop(comm, rank, STOP_LINE.format(rank=rank, outcome="usage", reason=err), EXIT_USAGE)
         return
     comm.Barrier()  # a rank that failed to read its input stops the job before any message is sent
     try:
         result = align_ids(comm, ids, context=args.id_column.encode())
     except psi.PsiError as err:
-        _stop(comm, rank, f"error: {err}", EXIT_FAILED)
+        _stop(comm, rank, f"[party {rank}] error: {err}", EXIT_FAILED)
         return
     if table is not None:
         write_aligned(table, result.rows, Path(args.out) / f"party-{rank}.csv")
@@ -339,9 +340,9 @@ def launch(parties: int, ids: list[str], id_column: str, out: str) -> int:
         raise AlignInputError(f"--out {out_dir}: cannot create it ({err.strerror})") from None
     proc = run_job(parties, ["--ids", *map(str, files), "--id-column", id_column, "--out", str(out_dir)])
     output = proc.stdout + proc.stderr
-    stopped = re.search(r"\[party \d+\] stop: (.*)", output)
+    stopped = find_stop(output)
     if stopped:
-        print(f"vfl align: error: {stopped.group(1)}", file=sys.stderr)
+        print(f"vfl align: error: {stopped[1]}", file=sys.stderr)
         return EXIT_USAGE
     failed = re.search(r"\[party (\d+)\] error: (.*)", output)
     if failed:

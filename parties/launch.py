@@ -20,7 +20,7 @@ from pathlib import Path
 
 from parties.checkpoint import MANIFEST, complete_epochs
 from parties.config import ConfigError, RunConfig, csv_party_folder, job_dataset, validate
-from parties.outcomes import EXIT_CODES, divergence_advice
+from parties.outcomes import EXIT_CODES, divergence_advice, find_stop
 from vfl.datasets.csv_parties import is_csv_folder
 from vfl.problems import get_problem
 
@@ -127,11 +127,12 @@ def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None, echo: 
         return _interrupted(out)
     if code == -signal.SIGINT or code == 128 + signal.SIGINT:
         return _interrupted(out)
-    stopped = re.search(r"\[party \d+\] stop: (.*)", output)
-    if stopped and code in EXIT_CODES.values():
-        advice = f"; {divergence_advice(config.gamma)}" if code == EXIT_CODES["diverged"] else ""
-        print(f"vfl train: {stopped.group(1)}{advice}", file=sys.stderr)
-        return code
+    stopped = find_stop(output) if code != 0 else None
+    if stopped:
+        outcome, reason = stopped
+        advice = f"; {divergence_advice(config.gamma)}" if outcome == "diverged" else ""
+        print(f"vfl train: {reason}{advice}", file=sys.stderr)
+        return EXIT_CODES[outcome]
     if code != 0 and not echo:  # the verdict below points to the ranks' own messages
         sys.stderr.write(output[-8000:])
     if code != 0:

@@ -7,6 +7,7 @@ that finds the model has left the secure aggregation's fixed-point range aborts 
 
 from __future__ import annotations
 
+import re
 from enum import IntEnum
 
 
@@ -21,6 +22,24 @@ class Outcome(IntEnum):
 
 #: Exit codes of ``vfl train``; 2 is a user mistake found before any rank starts, as for every command.
 EXIT_CODES = {"ok": 0, "failed": 1, "usage": 2, "diverged": 3, "target_missed": 4, "interrupted": 130}
+
+
+#: The one line a rank prints before it ends the job for a reason the user must read (not a crash).
+STOP_LINE = "[party {rank}] stop ({outcome}): {reason}"
+_STOP = re.compile(r"\[party \d+\] stop \((\w+)\): (.*)")
+
+
+def find_stop(output: str) -> tuple[str, str] | None:
+    """The (outcome, reason) of the first stop line in a job's output, else None.
+
+    The outcome travels in the line because ``mpiexec``'s own exit code cannot carry it reliably: when
+    one rank aborts, Hydra kills the rest, and it may report a killed rank's status (e.g. 9 for a
+    SIGSTOPped party it had to SIGKILL) instead of the abort code.
+    """
+    found = _STOP.search(output)
+    if found is None or found.group(1) not in EXIT_CODES:
+        return None
+    return found.group(1), found.group(2)
 
 
 def divergence_advice(gamma: float) -> str:

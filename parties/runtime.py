@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from parties.outcomes import EXIT_CODES
+from parties.outcomes import EXIT_CODES, STOP_LINE
 from protocols import label_he
 from protocols.aggregation import AggregationNode, Completed, Requested
 from protocols.channels import OVERHEAD_WORDS, ChannelKeys, SecureChannels
@@ -98,11 +98,12 @@ class PartyState:
 
 
 def stop_job(comm: MPI.Comm, rank: int, outcome: str, reason: str) -> None:
-    """End the whole job for a reason the user must read (not a crash): one line ``[party r] stop: …``
-    that the launcher repeats, and the exit code of ``outcome`` (:data:`parties.outcomes.EXIT_CODES`)."""
+    """End the whole job for a reason the user must read (not a crash): one
+    :data:`~parties.outcomes.STOP_LINE` that the launcher repeats, and the exit code of ``outcome``
+    (:data:`parties.outcomes.EXIT_CODES`)."""
     import sys
 
-    print(f"[party {rank}] stop: {reason}", file=sys.stderr, flush=True)
+    print(STOP_LINE.format(rank=rank, outcome=outcome, reason=reason), file=sys.stderr, flush=True)
     comm.Abort(EXIT_CODES[outcome])
 
 

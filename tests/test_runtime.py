@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from parties.launch import first_to_die
+from parties.outcomes import find_stop
 from parties.runtime import AUDIT_LABELS, TAG_DONE, TAG_HEARTBEAT, TAG_STOP, TAG_THETA
 from protocols.aggregation import HEADER_WORDS, Kind
 from protocols.transport import AGGREGATION_TAG
@@ -331,3 +332,12 @@ def test_first_death_tie_goes_to_the_rank_hydra_reaped_first():
     assert first_to_die({0, 1}, pids, HYDRA_BANNER) == 0  # banner names a rank not among them
     assert first_to_die({0, 2}, pids, "no banner") == 0
     assert first_to_die(set(), pids, HYDRA_BANNER) is None
+
+
+def test_a_stop_line_decides_the_outcome_whatever_code_mpiexec_reports():
+    # Hydra may report the status of a rank it killed (9 for a SIGSTOPped one), not the abort code.
+    output = "progress ...\n[party 1] stop (failed): party 2 has been silent for 3.1 s\n"
+    assert find_stop(output) == ("failed", "party 2 has been silent for 3.1 s")
+    assert find_stop("[party 0] stop (diverged): the model diverged") == ("diverged", "the model diverged")
+    assert find_stop("[party 0] stop (no-such-outcome): x") is None
+    assert find_stop("[party 0] error: x") is None
