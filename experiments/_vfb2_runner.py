@@ -41,7 +41,7 @@ import numpy as np
 from parties.config import RunConfig
 from parties.launch import launch
 from parties.outcomes import EXIT_CODES
-from vfl.datasets import Dataset, get_spec, list_datasets, load
+from vfl.datasets import Dataset, DatasetNotFoundError, get_spec, list_datasets, load
 from vfl.problems import get_problem
 from vfl.reference import evaluate, solve_reference
 
@@ -90,6 +90,19 @@ def nonf_cache(args: argparse.Namespace, out: Path) -> Path:
 def dataset_present(name: str, data_dir: str | None = None) -> bool:
     spec = get_spec(name)
     return next(info.present for info in list_datasets(data_dir) if info.name == spec.name)
+
+
+def present_datasets(names: Iterable[str], data_dir: str | None = None) -> set[str]:
+    """The registered names among ``names`` whose files are present; when none is, a
+    :class:`DatasetNotFoundError` (one line, exit 2) *before* anything is written, so a run without its
+    data never replaces committed results with empty tables."""
+    names = [get_spec(n).name for n in names]
+    present = {n for n in names if dataset_present(n, data_dir)}
+    if not present:
+        raise DatasetNotFoundError(f"none of {', '.join(names)} is in the data folder "
+                                   f"({data_dir or 'default: $VFL_DATA_DIR, ../shared/data'}); "
+                                   "nothing was run and no result was replaced")
+    return present
 
 
 # --------------------------------------------------------------------------------------------- NonF

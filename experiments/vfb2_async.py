@@ -38,13 +38,13 @@ from experiments._vfb2_runner import (
     JobResult,
     base_parser,
     command_line,
-    dataset_present,
     gamma_for,
     job_config,
     markdown_table,
     nonf,
     nonf_cache,
     output_dir,
+    present_datasets,
     run_job,
     say,
     seconds,
@@ -222,8 +222,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     time_limit = args.time_limit or (20.0 if quick else 90.0)
     pairs: list[list[JobResult]] = []
     skipped = []
+    present = present_datasets(datasets, args.data_dir)
     for dataset in datasets:
-        if not dataset_present(dataset, args.data_dir):
+        if get_spec(dataset).name not in present:
             skipped.append(get_spec(dataset).name)
             say(f"{dataset}: data file absent, skipped")
             continue

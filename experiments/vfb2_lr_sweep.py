@@ -28,11 +28,11 @@ from experiments._vfb2_runner import (
     RESULTS,
     base_parser,
     command_line,
-    dataset_present,
     markdown_table,
     nonf,
     nonf_cache,
     output_dir,
+    present_datasets,
     say,
     write_rows,
 )
@@ -137,8 +137,9 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, str], float]:
     rows: list[dict] = []
     best: dict[tuple[str, str], float] = {}
     table = []
+    present = present_datasets(names, args.data_dir)
     for dataset in (get_spec(n).name for n in names):
-        if not dataset_present(dataset, args.data_dir):
+        if dataset not in present:
             say(f"{dataset}: data file absent, skipped")
             continue
         say(f"sweeping γ on {dataset} ({args.problem}, {epochs} epochs)")

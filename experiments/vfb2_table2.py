@@ -45,7 +45,6 @@ from experiments._vfb2_runner import (
     PAPER_CLASSIFICATION,
     base_parser,
     command_line,
-    dataset_present,
     gamma_for,
     job_config,
     markdown_table,
@@ -53,6 +52,7 @@ from experiments._vfb2_runner import (
     nonf,
     nonf_cache,
     output_dir,
+    present_datasets,
     run_job,
     say,
     write_rows,
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     names = args.datasets or (["breast-cancer"] if quick
                               else [get_spec(a).name for a in PAPER_CLASSIFICATION] + list(EXTRA))
     columns = [get_spec(n).name for n in names]
-    present = {n for n in columns if dataset_present(n, args.data_dir)}
+    present = present_datasets(columns, args.data_dir)
     problems = ["logistic"] if quick else args.problems
     runs: list[dict] = []
     results: list[dict] = []

@@ -36,13 +36,13 @@ from experiments._vfb2_runner import (
     PAPER_REGRESSION,
     base_parser,
     command_line,
-    dataset_present,
     job_config,
     markdown_table,
     mean_std,
     nonf,
     nonf_cache,
     output_dir,
+    present_datasets,
     run_job,
     say,
     write_rows,
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     quick = args.quick
     seeds = args.seeds or ([0] if quick else [0, 1, 2])
     columns = [get_spec(a).name for a in PAPER_REGRESSION] + ["diabetes"]
-    present = {n for n in columns if dataset_present(n, args.data_dir)}
+    present = present_datasets(columns, args.data_dir)
     problems = ["least-squares"] if quick else args.problems
     runs: list[dict] = []
     results: list[dict] = []

@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 from tests.test_runtime import CANCER, metrics, train
+from vfl.datasets import DatasetNotFoundError
 
 pytestmark = pytest.mark.mpi
 
@@ -95,6 +96,23 @@ def test_experiments_without_their_data_say_so_in_plain_words(tmp_path):
                           env=env, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2
     assert proc.stderr.startswith("python -m experiments hfl_quick: ") and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("experiment", ["vfb2_table2", "vfb2_async", "vfb2_lr_sweep"])
+def test_an_experiment_without_any_of_its_data_replaces_no_result(tmp_path, monkeypatch, experiment):
+    """A run whose data files are all absent once overwrote the committed Table 2 with empty tables."""
+    import importlib
+
+    empty, out = tmp_path / "no-data", tmp_path / "results"
+    empty.mkdir()
+    out.mkdir()
+    (out / "kept.md").write_text("committed result\n")
+    monkeypatch.setenv("VFL_DATA_DIR", str(empty))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(empty))
+    module = importlib.import_module(f"experiments.{experiment}")
+    with pytest.raises(DatasetNotFoundError, match="no result was replaced"):
+        module.main(["--datasets", "a9a", "--out", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == ["kept.md"]
 
 
 def test_horizontal_fl_without_torch_says_how_to_install_it(monkeypatch, capsys):
