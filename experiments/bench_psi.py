@@ -20,8 +20,8 @@ from experiments._machine import cpu_model
 from parties.align import run_job
 
 RESULTS = Path(__file__).resolve().parent / "results" / "psi"
-FIELDS = ["parties", "ids_per_party", "overlap", "intersection", "seconds", "megabytes_sent", "load_before",
-          "load_after", "cpu"]
+FIELDS = ["parties", "ids_per_party", "repeat", "overlap", "intersection", "seconds", "megabytes_sent",
+          "load_before", "load_after", "cpu"]
 
 
 def run_one(q: int, n: int, overlap: float, seed: int) -> dict:
@@ -45,11 +45,12 @@ def write_outputs(rows: list[dict], out: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
-    lines = ["| parties | ids per party | intersection | seconds | MB sent (all ranks) "
+    lines = ["| parties | ids per party | run | intersection | seconds | MB sent (all ranks) "
              "| load avg before/after |",
-             "|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['parties']} | {r['ids_per_party']:,} | {r['intersection']:,} | {r['seconds']:.1f} | "
-              f"{r['megabytes_sent']:.1f} | {r['load_before']:.2f} / {r['load_after']:.2f} |" for r in rows]
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['parties']} | {r['ids_per_party']:,} | {r['repeat'] + 1} | {r['intersection']:,} | "
+              f"{r['seconds']:.1f} | {r['megabytes_sent']:.1f} | {r['load_before']:.2f} / "
+              f"{r['load_after']:.2f} |" for r in rows]
     lines += ["", f"CPU: {rows[0]['cpu'] if rows else '?'}; written {time.strftime('%Y-%m-%d %H:%M')}."]
     (out / "table.md").write_text("\n".join(lines) + "\n")
 
@@ -61,7 +62,7 @@ def write_outputs(rows: list[dict], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for q in sorted({r["parties"] for r in rows}):
         mine = [r for r in rows if r["parties"] == q]
-        ax.plot([r["ids_per_party"] for r in mine], [r["seconds"] for r in mine], "o-",
+        ax.plot([r["ids_per_party"] for r in mine], [r["seconds"] for r in mine], "o",
                 label=f"q = {q} parties")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -82,13 +83,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parties", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--overlap", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration (the spread)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     sizes = [1_000, 3_000] if args.quick else args.sizes
     rows = []
     for q in args.parties:
-        for n in sizes:
-            row = run_one(q, n, args.overlap, args.seed)
+        for n, repeat in ((n, r) for n in sizes for r in range(args.repeats)):
+            row = {"repeat": repeat, **run_one(q, n, args.overlap, args.seed)}
             print(f"q={q} n={n:>9,}: {row['seconds']:8.2f} s  {row['megabytes_sent']:8.2f} MB  "
                   f"intersection {row['intersection']:,}  load {row['load_before']:.2f}", flush=True)
             rows.append(row)

@@ -4,6 +4,7 @@ party, and real ``mpiexec`` runs of the CLI, its errors and a tampered message."
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from protocols import psi
 from tests.conftest import REPO_ROOT, run_mpi
@@ -93,6 +94,20 @@ def test_x25519_commutes() -> None:
     a, b = psi.Key(), psi.Key()
     assert np.array_equal(a.blind(b.blind(u)), b.blind(a.blind(u)))
     X25519PublicKey.from_public_bytes(u.tobytes())  # a valid public key encoding
+
+
+def test_blinding_is_rfc7748_x25519_as_openssl_computes_it() -> None:
+    """libsodium does the blinding; it must be the standard function: the RFC's first test vector, and
+    the same outputs as OpenSSL's X25519 (``cryptography``) for hashed ids."""
+    scalar = bytes.fromhex("a546e36bf0527c9d3b16154b82465edd62144c0ac1fc5a18506a2244ba449ac4")
+    u = bytes.fromhex("e6db6867583030db3594c1a424b15f7c726624ec26b3353b10a903a6d0ab1c4c")
+    out = psi.Key(scalar).blind(np.frombuffer(u, dtype=np.uint8).reshape(1, 32))
+    assert out.tobytes().hex() == "c3da55379de9c6908e94ea4df28d084f32eccf03491c71f754b4075577a28552"
+    secret = os.urandom(32)
+    points = psi.hash_to_curve([f"id{i}" for i in range(50)], b"d")
+    openssl = X25519PrivateKey.from_private_bytes(secret)
+    expected = [openssl.exchange(X25519PublicKey.from_public_bytes(p.tobytes())) for p in points]
+    assert [row.tobytes() for row in psi.Key(secret).blind(points)] == expected
 
 
 def test_the_protocol_modules_use_buffer_calls_only() -> None:
