@@ -184,14 +184,18 @@ def execute(job: tuple[Run, Scale, Path]) -> dict[str, Any]:
             "settings": json.dumps(method.describe()), "diverged": ""}
 
 
-def plan(scale: Scale, quick: bool) -> list[Run]:
+def plan(scale: Scale, quick: bool, only: str | None = None) -> list[Run]:
+    """The campaign's runs; ``only`` keeps one table ("table1", "rho" or "phi", the latter two with their
+    shared ρ = 6, φ = 0.5 run)."""
     if quick:
         return [Run(m, 20, "iid") for m in (*TABLE1_METHODS, "fedpaq")]
-    runs = [Run(m, 100, s) for s in SPLITS for m in TABLE1_METHODS]
-    runs += [Run("fedbat", 100, "noniid2", rho=r) for r in RHOS if r != 6.0]
-    runs += [Run("fedbat", 100, "noniid2", phi=p) for p in PHIS if p != 0.5]
-    runs += [Run(m, 30, "noniid2") for m in N30_METHODS]
-    return runs
+    table1 = [Run(m, 100, s) for s in SPLITS for m in TABLE1_METHODS] + [Run(m, 30, "noniid2")
+                                                                         for m in N30_METHODS]
+    rho = [Run("fedbat", 100, "noniid2", rho=r) for r in RHOS]
+    phi = [Run("fedbat", 100, "noniid2", phi=p) for p in PHIS]
+    if only is not None:
+        return {"table1": table1, "rho": rho, "phi": phi}[only]
+    return list(dict.fromkeys(table1 + rho + phi))
 
 
 def caption(scale: Scale) -> str:
@@ -398,6 +402,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--released-clamp", action="store_true",
                         help="clamp FedBAT's α to [5e-4, 5e-2] like the authors' code (the paper does not)")
     parser.add_argument("--splits", nargs="+", choices=SPLITS, default=None, help="run only these splits")
+    parser.add_argument("--only", choices=("table1", "rho", "phi"), default=None,
+                        help="run only one table's runs (the ρ and φ tables include the ρ = 6, φ = 0.5 run)")
+    parser.add_argument("--train-rows", type=int, default=None,
+                        help="training images (default 6,000; 60,000 is the paper's full FMNIST: with "
+                             "N = 100 about 10× the local steps τ per round)")
+    parser.add_argument("--epochs", type=int, default=None, help="local epochs E (default 10, the paper's)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--replot", action="store_true",
                         help="only redraw the figures from the results already in --out (no training)")
@@ -411,13 +421,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         scale = replace(scale, alpha_clamp=(5e-4, 5e-2))
     if args.rounds is not None:
         scale = replace(scale, rounds=args.rounds, eval_every=min(scale.eval_every, args.rounds))
+    if args.train_rows is not None:
+        scale = replace(scale, train_rows=args.train_rows)
+    if args.epochs is not None:
+        scale = replace(scale, epochs=args.epochs)
     out = args.out or Path("experiments/results/fedbat") / ("quick" if args.quick else "")
     (out / "runs").mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict[str, Any]] = {}
     if not args.fresh and (out / "results.csv").exists():
         with open(out / "results.csv", newline="") as handle:
             rows = {_tag(row): row for row in map(_typed, csv.DictReader(handle))}
-    planned = [run for run in plan(scale, args.quick) if (args.methods is None or run.method in args.methods)
+    planned = [run for run in plan(scale, args.quick, args.only)
+               if (args.methods is None or run.method in args.methods)
                and (args.splits is None or run.split in args.splits)]
     jobs = [(run, scale, out) for run in planned if run.tag not in rows]
     print(f"{len(jobs)} runs ({len(rows)} done before), {args.jobs} in parallel; {caption(scale)}")
