@@ -41,7 +41,7 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                          "VFB² paper Fig 2: q-parties speedup, async vs sync"),
     "vfb2_lr_sweep": ("experiments.vfb2_lr_sweep", "learning-rate sweep over the VFB² paper's γ grid"),
     "feddro": ("experiments.feddro_fmnist",
-               "FedDRO paper §6 design on Fashion-MNIST-ST: baselines, period I, number of clients"),
+               "FedDRO paper Section 6 design on Fashion-MNIST-ST: baselines, period I, number of clients"),
     "label_he": ("experiments.bench_label_he",
                  "--label-privacy he: cost of one encrypted batch, and the HE libraries compared"),
     "label_attacks": ("experiments.label_attacks",

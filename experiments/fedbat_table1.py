@@ -4,7 +4,7 @@
 Kept from the paper: the Table-4 CNN topology (4 × conv3×3-BN-ReLU-maxpool, bias-free Linear), N = 100
 (and 30) clients with 10 sampled per round, the IID / Non-IID-1 (Dirichlet 0.3, min 10 rows) /
 Non-IID-2 (3 labels per client) splits, E = 10 local epochs of batch 64 with SGD lr 0.1, FedBAT ρ = 6,
-φ = 0.5, the baselines' tuned α, σ (FedBAT-spec §4.9). Reduced (stated in every caption):
+φ = 0.5, the baselines' tuned α, σ (the paper's Appendix A.2). Reduced (stated in every caption):
 
 - training set: a stratified 10 % subsample of FMNIST's 60,000 images (so a client holds ~60 rows at
   N = 100 and τ = 10 local steps per round instead of ~100); the test set is the full 10,000;
@@ -86,7 +86,7 @@ class Scale:
     epochs: int = 10
     batch_size: int = 64
     lr: float = 0.1
-    #: FedBAT's α clamp: None is the paper's rule; (5e-4, 5e-2) is the released code's (FedBAT-spec §3.7)
+    #: FedBAT's α clamp: None is the paper's rule; (5e-4, 5e-2) is the authors' released code's
     alpha_clamp: tuple[float, float] | None = None
 
 
@@ -486,7 +486,7 @@ is 389,920 + 5 x 32 = 390,080 bits (tested in `tests/test_fedbat.py`).
 {figures}
 Notes.
 - Accuracy is that of the global model with BatchNorm in eval mode, using the clients' averaged running
-  statistics (FedBAT-spec T17). With a *fixed* step alpha = 0.001 (SignSGD) or 0.01 (Noisy-, Stoc-SignSGD)
+  statistics. With a *fixed* step alpha = 0.001 (SignSGD) or 0.01 (Noisy-, Stoc-SignSGD)
   a global weight moves at most alpha per round, while each client's local SGD grows its weights far
   more: the averaged running statistics then describe the clients' models, not the global one, and the
   global model predicts one class in eval mode. A one-off check (SignSGD, IID, 5 rounds) gave 9.8 % with the
@@ -496,9 +496,8 @@ Notes.
   FedBAT 86.6 % (paper: 90.3 and 91.8). The scaled methods (EF-SignSGD, FedBAT) send the update's own
   magnitude and are not affected.
 - rho = 10 diverges at round 2: alpha = alpha'·exp(rho·alpha_e) grows by e^(rho·Δalpha_e) per step, and
-  nothing bounds it in the paper's rule. The released code clamps alpha to [5e-4, 5e-2] at every use
-  (FedBAT-spec §3.7), which the paper does not mention; `FedBAT(codec, alpha_clamp=(5e-4, 5e-2))`
-  reproduces it.
+  nothing bounds it in the paper's rule. The released code clamps alpha to [5e-4, 5e-2] at every use,
+  which the paper does not mention; `FedBAT(codec, alpha_clamp=(5e-4, 5e-2))` reproduces it.
   With it (`--released-clamp --methods fedbat --splits noniid2 --out experiments/results/fedbat/clamp`),
   rho = 10 trains: see `clamp/tables.md`. Up to rho = 6 accuracy rises with rho, as in the paper's Table 2.
 - 1 seed, so differences below ~1 point are within noise (the paper's std is 0.1-1.3 points over 5 runs).

@@ -1,4 +1,4 @@
-"""FedDRO's experiment design (paper §6, spec §5.3) on Fashion-MNIST-ST, scaled to a 2-core CPU.
+"""FedDRO's experiment design (the paper's Section 6) on Fashion-MNIST-ST, scaled to a 2-core CPU.
 
 The paper trains ResNet20 on CIFAR10-ST / CIFAR100-ST (classes of the first half keep only their last 100
 training images) with 8 clients, 16 samples per client per step, KL-type DRO, and compares FedDRO (I = 1)
@@ -7,7 +7,7 @@ CIFAR is not available here; this runs the same design on **Fashion-MNIST-ST** b
 (classes 0–4 keep their last 100 images: 30,500 training images, test set unchanged).
 
 Reductions and choices (all logged in ``summary.json``): model MLP 784-64-10 (d = 50,890) instead of
-ResNet20 (the spec's 18k-parameter CNN costs 12× more per step on this machine); KL-DRO with λ = 1
+ResNet20 (an 18k-parameter CNN costs 12× more per step on this machine); KL-DRO with λ = 1
 (the paper does not say which DRO or λ it used on CIFAR-ST); β = 0.1; learning rates from the paper's
 grid without 0.001 (too small for these short runs), tuned on seed 0 by final training accuracy, decayed
 ×0.1 at 75 % of each run (the paper: after 90 rounds of an unknown total); 1,200 iterations (≈ 5 epochs)

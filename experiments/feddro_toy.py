@@ -1,9 +1,10 @@
-"""FedDRO vs vanilla FedAvg for CO on closed-form problems (paper Theorem 4.1 / Figure 6; spec §6).
+"""FedDRO vs vanilla FedAvg for CO on closed-form problems (paper Theorem 4.1 / Figure 6).
 
 P1 is the paper's own counterexample (K = 2, g₁ = 4x − 4, g₂ = −2x + 4, f = √(y² + 4), x* = 0, I = 2,
 x̄⁰ = 0.5): the paper plots Case II's x̄^t staying above 0.5 for several η (values not given, Figure 6 is an
-image). P2 (spec §6.2) is a 2-D generalisation with four clients and heterogeneous Jacobians. Both are
-deterministic, so the numbers are exact and compared with the spec's reference values.
+image). P2 (not in the paper) is a 2-D generalisation with four clients and heterogeneous Jacobians.
+Both are deterministic, so the numbers are exact and compared with reference values from an independent
+float64 NumPy implementation of the recursions.
 
     python -m experiments feddro_toy [--quick] [--out experiments/results/feddro]
 
@@ -27,7 +28,7 @@ from vfl.hfl.dro_objectives import AffineInnerProblem, p1_problem, p2_problem
 from vfl.hfl.feddro import CompositionalSimulation, FedDRO
 
 P1_ETAS = (0.01, 0.05, 0.1)
-# spec §6.1 / §6.2 reference values (float64 NumPy implementation written with the spec)
+# reference values from an independent float64 NumPy implementation of the recursions (η = 0.05 for P2)
 P1_REFERENCE = {("I", 0.01): 1.17373, ("I", 0.05): 1.19816, ("I", 0.1): 1.24229,
                 ("II", 0.01): 1.07045, ("II", 0.05): 1.13361, ("II", 0.1): 1.21828}
 P2_REFERENCE = {("I", 0.05, 1): (1.01702, -0.41874), ("I", 0.05, 2): (1.02078, -0.39411),

@@ -1,33 +1,33 @@
 """ISCA paper (Improved Stochastic Controlled Averaging), Figures 1-6 on Fashion-MNIST.
 
-MNIST is not available on this machine, so only the FMNIST halves are reproduced. Setting (ISCA-spec §7):
-MLP 784-256-128-10, N = 100 clients, IID split (random permutation, 600 each) vs non-IID split (200
-one-class shards of 300, 2 per client), S = 10, K = 5, batch 32 (unstated in the paper), float32.
+MNIST is not available on this machine, so only the FMNIST halves are reproduced. Setting (the paper's
+Section 5): MLP 784-256-128-10, N = 100 clients, IID split (random permutation, 600 each) vs non-IID split
+(200 one-class shards of 300, 2 per client), S = 10, K = 5, batch 32 (unstated in the paper), float32.
 
 - Figs 1 and 4: ISCA vs SCAFFOLD vs FedAvg (full precision), test accuracy and train loss, IID vs non-IID;
 - Figs 2-3 and 5-6: ISCAM (β1 = β2 = 0.1) vs SCALLION (α = 0.1, the SCALLION paper's value; unstated
   here) vs FedCOMGATE, random dithering at 2 and 4 bits, IID vs non-IID.
 
 Control variates start at the full local gradients ∇f_i(x^0) for ISCA, ISCAM, SCAFFOLD and SCALLION
-(Algorithm 1, Line 1; the same for all, spec §3.6); FedCOMGATE's tracking variables at 0. The paper
-states only qualitative claims; the headline checked here is "ISCA is consistent between IID and
-non-IID" (its accuracy gap between the splits is smaller than FedAvg's).
+(Algorithm 1, Line 1, applied to all four so that they compare like for like); FedCOMGATE's tracking
+variables at 0. The paper states only qualitative claims; the headline checked here is "ISCA is
+consistent between IID and non-IID" (its accuracy gap between the splits is smaller than FedAvg's).
 
 Reductions (paper: (α_out, α_in) over {0.01, ..., 10}², rounds and seeds unstated), stated in every table
-caption: one seed; (η_l, η_g) tuned on the non-IID split only and reused for IID (spec §7.3 allows it),
-over η_l ∈ {0.03, 0.1, 0.3} × η_g ∈ {1, 3} ({3, 10} for ISCAM, whose β1 = 0.1 scales the global step,
-trap T5), for one member per family (2-bit for the compressed ones), short horizon, selected by final
-test accuracy; short final runs. Train loss on a fixed 10k training subsample. A final run that diverges
+caption: one seed; (η_l, η_g) tuned on the non-IID split only and reused for IID (halving the tuning cost),
+over η_l ∈ {0.03, 0.1, 0.3} × η_g ∈ {1, 3} ({3, 10} for ISCAM, whose β1 = 0.1 scales the global step),
+for one member per family (2-bit for the compressed ones), short horizon, selected by final test
+accuracy; short final runs. Train loss on a fixed 10k training subsample. A final run that diverges
 is rerun at its family's next-best pair that did not diverge in the search (per split); the table names
 the pair used and the pairs that diverged first (``experiments.hfl_scafcom.run_with_fallback``).
 
 FedCOMGATE with random dithering diverges at every learning rate, and this is the algorithm, not a bug:
 its tracking update δ_j ← δ_j + (m_j − mean_S C(m_j))/K mixes the uncompressed move m_j with the
-compressed mean (SC-spec §4.1 (4), as in the authors' FedTorch code), so Σ_j δ_j, which VRL-SGD keeps at
-0, accumulates the compression errors (``tests/test_fedcomgate_reduction.py``). That sum biases every
-local step, grows the messages, and dithering's error grows with them (E‖C(m) − m‖² ≈ 10-40·‖m‖² measured
-on its messages here): an exponential random walk, whatever η_l. Its theory assumes a bounded
-compression error, which random dithering does not satisfy (SC-spec §2.4).
+compressed mean (as in the authors' FedTorch code), so Σ_j δ_j, which VRL-SGD keeps at 0, accumulates
+the compression errors (``tests/test_fedcomgate_reduction.py``). That sum biases every local step, grows
+the messages, and dithering's error grows with them (E‖C(m) − m‖² ≈ 10-40·‖m‖² measured on its messages
+here): an exponential random walk, whatever η_l. Its theory assumes a bounded
+compression error, which random dithering does not satisfy.
 
     python -m experiments hfl_isca [--quick] [--rounds 300] [--tune-rounds 50] [--out DIR] [--resume]
 
@@ -82,7 +82,7 @@ FEDCOMGATE_NOTE = (
     "uncompressed local move with the compressed server mean, so Σ_j δ_j (0 in VRL-SGD) accumulates every "
     "compression error (tests/test_fedcomgate_reduction.py) and, with dithering's error proportional to the "
     "message, grows exponentially whatever the learning rate. Its theory assumes a bounded compression "
-    "error, which random dithering violates (SC-spec §2.4); SCALLION keeps c = mean c_i exactly and damps "
+    "error, which random dithering violates; SCALLION keeps c = mean c_i exactly and damps "
     "each c_i's error by α.")
 
 

@@ -1,9 +1,9 @@
 """Smoke experiment for horizontal FL on Fashion-MNIST: round time of the vectorised engine against a
 naive per-client loop, then a few rounds of every registered algorithm in the papers' setting.
 
-Setting (SC-spec §6.1): MLP 784-256-128-10, N = 200 clients holding 2 one-class shards each, S = 20,
-K = 10, batch 32, float32. The learning rates are fixed, not tuned (η_l = 0.1, η_g = 1), so the
-accuracies after a few rounds are a smoke signal, not a reproduction of the papers' figures.
+Setting (the SCAFCOM paper's Section 6): MLP 784-256-128-10, N = 200 clients holding 2 one-class shards
+each, S = 20, K = 10, batch 32, float32. The learning rates are fixed, not tuned (η_l = 0.1, η_g = 1), so
+the accuracies after a few rounds are a smoke signal, not a reproduction of the papers' figures.
 
     python -m experiments.hfl_quick [--rounds 5] [--timing-rounds 10] [--out experiments/results/hfl_quick]
 

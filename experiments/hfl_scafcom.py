@@ -1,8 +1,9 @@
 """SCAFCOM/SCALLION paper (Huang, Li & Li 2024), Figures 2-4 on Fashion-MNIST.
 
 MNIST is not available on this machine (``/work/shared/data/MANIFEST.md``), so only the FMNIST halves of
-the figures are reproduced. Setting (SC-spec §6.1): MLP 784-256-128-10, N = 200 clients with 2 one-class
-shards each (400 shards), S = 20, K = 10, batch 32, float32, two-sided learning rates, c_i^0 = 0.
+the figures are reproduced. Setting (the paper's Section 6): MLP 784-256-128-10, N = 200 clients with 2
+one-class shards each (400 shards), S = 20, K = 10, batch 32, float32, two-sided learning rates,
+c_i^0 = 0.
 
 - Fig 2: SCAFCOM (β = 0.2) vs Fed-EF with Top-0.01/0.05, against SCAFFOLD and FedAvg (full precision);
 - Fig 3: SCALLION (α = 0.1) vs FedCOMGATE with 2/4-bit random dithering, against SCAFFOLD;

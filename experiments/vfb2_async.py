@@ -20,7 +20,7 @@ training time). Outputs in ``experiments/results/vfb2_async/``:
 Settings and reductions (the paper: q = 8, m = 3, k = m, a 30-50 % straggler in the sync runs only):
 q = 4 parties, m = 2 active (ranks 0, 1), k = m = 2 workers, B = 1, λ = 1e-4, γ per dataset and
 optimiser from the serial sweep (``vfb2_lr_sweep``), one seed. The straggler is the last rank (a
-passive party), ``--slowdown 0.4``, injected in **both** modes (spec 7.1 item 7: a fair comparison).
+passive party), ``--slowdown 0.4``, injected in **both** modes, for a fair comparison.
 On 2 cores, 4 ranks share the CPUs: timings are ratios measured side by side, not absolute speeds.
 """
 

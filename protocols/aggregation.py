@@ -1,4 +1,4 @@
-"""The secure-aggregation protocol (Algorithm 1 of VFB², spec 2.3) as a sans-IO state machine.
+"""The secure-aggregation protocol (Algorithm 1 of VFB²) as a sans-IO state machine.
 
 An :class:`AggregationNode` is one party's share of the protocol. It never touches a network: the caller
 feeds it what arrives (:meth:`~AggregationNode.receive`) and what the party wants

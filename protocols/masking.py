@@ -2,7 +2,7 @@
 
 Every value that travels is a 64-bit word, so both schemes share one wire format (``uint64`` arrays):
 
-* :class:`FixedPointRing` (default, OURS, spec 2.4 caveat 5): a real ``x`` becomes
+* :class:`FixedPointRing` (default; ours, not the paper's): a real ``x`` becomes
   ``round(x * 2**fraction_bits)`` in two's complement modulo 2**64 and masks are uniform 64-bit words.
   Sums wrap around (numpy ``uint64`` arithmetic), so ``Σ(o + δ) - Σδ`` cancels *exactly* and every masked
   word the other parties see is uniformly distributed, whatever ``o`` is. The result is exact up to the

@@ -21,9 +21,10 @@ Two checks decide whether a pair may be used:
   Each party observes its own ``o_v`` and ``δ_v`` and the linear forms its children send in both trees.
   The pure-``o`` combinations it can derive form the subspace ``rowspace(M) ∩ {δ = 0}`` whose dimension is
   ``rank(M) - rank(M_δ)``. It must be no larger than the unavoidable: ``span{e_v}``, plus the all-ones
-  vector at the root (the output itself). Definition 4 alone is not sufficient (spec 2.4 caveat 2).
+  vector at the root (the output itself). Definition 4 alone is not sufficient (caveat 3 of
+  docs/secure-aggregation.md).
 
-Construction (spec 7.2): for ``q >= 4``, heap-shaped binary trees over a random permutation of the
+Construction: for ``q >= 4``, heap-shaped binary trees over a random permutation of the
 non-root parties, drawn from a generator seeded by ``(seed, q, root)`` and retried until both checks pass
 (about half the candidates do). For ``q = 3``, heap trees are both stars and always leak, so ``T1`` is the
 star and ``T2`` a chain whose order the seed picks. ``q = 2`` is inherently leaky: the root learns the
@@ -215,7 +216,8 @@ class LeakageReport:
 
 
 def leakage_report(pair: TreePair) -> LeakageReport:
-    """Run the rank test of spec 7.2 for every party of ``pair`` (one request, fresh masks)."""
+    """Run the module docstring's leak check (rank test) for every party of ``pair`` (one request, fresh
+    masks)."""
     q = pair.size
     reports = []
     for v in range(q):

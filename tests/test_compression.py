@@ -1,4 +1,4 @@
-"""Compression codecs: wire formats, the properties the theory assumes (SC-spec §7.3), batching."""
+"""Compression codecs: wire formats, the properties the theory assumes (Monte Carlo), batching."""
 
 from __future__ import annotations
 
@@ -289,7 +289,7 @@ def test_dithering_is_unbiased_with_variance_under_omega(params: dict, expected_
     assert_unbiased(samples, x)
     ratio = float((samples - x).pow(2).sum(dim=1).mean() / x.pow(2).sum())
     assert ratio <= dithering.omega(d)
-    if expected_ratio is not None:  # the spec's sanity run: d = 1000, Gaussian x
+    if expected_ratio is not None:  # an independent reference run: d = 1000, Gaussian x
         assert ratio == pytest.approx(expected_ratio, rel=0.1)
 
 

@@ -1,5 +1,5 @@
-"""FedBAT (FedBAT-spec §7.3-7.5): the binarization operator's designed derivatives, Algorithm 1's client
-and server, the 1-bit payload, the post-training baselines, the Table-4 models and the quick experiment."""
+"""FedBAT: the binarization operator's designed derivatives, Algorithm 1's client and server, the 1-bit
+payload, the post-training baselines, the Table-4 models and the quick experiment."""
 
 from __future__ import annotations
 
@@ -48,13 +48,14 @@ def one_torch_thread():
 
 
 def ste_reference(m: torch.Tensor, alpha: torch.Tensor, zeta: torch.Tensor) -> torch.Tensor:
-    """Autograd-native oracle of Eq. 6-9: floor acts as the identity in backward (spec §2.4)."""
+    """Autograd-native oracle of Eq. 6-9: floor acts as the identity in backward (the
+    straight-through trick)."""
     z = (m + alpha) / (2 * alpha)
     zq = z + (torch.floor(z + zeta) - z).detach()
     return torch.where(m > alpha, alpha, torch.where(m < -alpha, -alpha, alpha * (2 * zq - 1)))
 
 
-# ---------------------------------------------------------------- operator (§7.3)
+# ---------------------------------------------------------------- operator
 
 def test_forward_is_two_levels_with_exact_clipping_and_boundaries() -> None:
     alpha = torch.tensor(0.5, dtype=D64)
@@ -164,7 +165,7 @@ def test_tiny_alpha_is_finite_and_works_without_grad() -> None:
     assert out.shape == (5, 4, 3, 3) and bool(torch.isfinite(out).all())
 
 
-# ---------------------------------------------------------------- payload (T12, §7.4.5)
+# ---------------------------------------------------------------- payload
 
 def test_payload_roundtrip_and_size_of_the_paper_cnn() -> None:
     model = Table4CNN(1, 10, image_size=28)
@@ -193,7 +194,7 @@ def test_resnet10_matches_table4_sizes() -> None:
     assert Table4CNN(3, 10, image_size=32).classifier.in_features == 1024
 
 
-# ---------------------------------------------------------------- algorithm (§7.4)
+# ---------------------------------------------------------------- algorithm
 
 def toy_data(n_clients: int = 4, rows: int = 32, seed: int = 0) -> FederatedData:
     rng = np.random.default_rng(seed)
@@ -213,7 +214,8 @@ def global_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_warmup_is_fedavg_and_alpha_prime_is_mean_abs_update() -> None:
-    """T9 + §7.4.2: with B = 16 and 32 rows, τ = 2E; φ = 0.5 and E = 4 give ⌊φτ⌋ = 4 = two FedAvg epochs."""
+    """Warm-up steps are FedAvg's and α' = mean|m| (Eq. 13): with B = 16 and 32 rows, τ = 2E; φ = 0.5 and
+    E = 4 give ⌊φτ⌋ = 4 = two FedAvg epochs."""
     model, data = toy_model(), toy_data()
     state = global_state(model)
     frozen = {k: v.clone() for k, v in state.items()}
@@ -224,7 +226,7 @@ def test_warmup_is_fedavg_and_alpha_prime_is_mean_abs_update() -> None:
     upload = bat.client(trainer, state, 1, torch.Generator().manual_seed(7), torch.Generator().manual_seed(1))
     expected = [float(u.abs().mean()) for u in reference.update]
     np.testing.assert_allclose(upload.info["alpha_prime"], expected, rtol=1e-6)
-    assert all(torch.equal(state[k], frozen[k]) for k in state)                                  # T1
+    assert all(torch.equal(state[k], frozen[k]) for k in state)                                  # base frozen
     assert upload.info["eps_guard_layers"] == [0.0]
     assert upload.info["alpha"] != upload.info["alpha_prime"]                                    # α learned
     for update, alpha in zip(upload.update, upload.info["alpha"], strict=True):
@@ -300,7 +302,7 @@ def test_simulation_learns_is_reproducible_and_counts_real_bits() -> None:
     assert records[0][-1]["test_accuracy"] > 0.5
 
 
-# ---------------------------------------------------------------- partition (§7.4.9)
+# ---------------------------------------------------------------- partition
 
 def test_labels_per_client_partition() -> None:
     labels = np.repeat(np.arange(10), 600)
@@ -311,7 +313,7 @@ def test_labels_per_client_partition() -> None:
     assert {p.size for p in parts} == {60}                  # 30 holders per class, 20 rows each
 
 
-# ---------------------------------------------------------------- baselines (§7.5)
+# ---------------------------------------------------------------- baselines
 
 SHAPES = [torch.Size([4, 3]), torch.Size([7])]
 

@@ -1,11 +1,11 @@
 """FedCOMGATE's reductions and the accounting behind its divergence under random dithering.
 
 - With the identity compressor and full participation FedCOMGATE *is* VRL-SGD (Liang et al. 2019,
-  Algorithm 1), the method SC-spec §4.1 (4) says it compresses: checked against a plain per-client
+  Algorithm 1), the method the SCAFCOM paper says it compresses: checked against a plain per-client
   numpy loop written from the VRL-SGD paper, not from our code.
 - With K = 1 as well, VRL-SGD is minibatch SGD on the average: the same trajectory as FedAvg with K = 1.
 - With a compressor, δ_j is updated with the client's *uncompressed* move but the server's *compressed*
-  mean (SC-spec, as in FedTorch), so Σ_j δ_j, which VRL-SGD keeps at 0, accumulates exactly the
+  mean (as in the authors' FedTorch code), so Σ_j δ_j, which VRL-SGD keeps at 0, accumulates exactly the
   compression errors Σ_j (m_j − C(m_j))/K. Nothing pulls it back: this is why FedCOMGATE with 2/4-bit
   dithering on the 235k-parameter MLP diverges at every learning rate (experiments.hfl_isca).
 """

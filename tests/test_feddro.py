@@ -1,6 +1,6 @@
-"""FedDRO and vanilla FedAvg for compositional optimisation (spec feddro.md §6–§7): exact identities on
-closed-form problems, the bias of FedAvg-CO under heterogeneity, the inner estimator's variance, the DRO
-objectives, the communication ledger, resume, and the paper's -ST construction. Float64 throughout."""
+"""FedDRO and vanilla FedAvg for compositional optimisation: exact identities on closed-form problems, the
+bias of FedAvg-CO under heterogeneity, the inner estimator's variance, the DRO objectives, the
+communication ledger, resume, and the paper's -ST construction. Float64 throughout."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_case_two_with_period_one_is_gd_on_phi_and_case_one_is_gd_on_phi_nd():
 
 def algorithm_one_reference(problem: AffineInnerProblem, x0: torch.Tensor, eta: float, period: int,
                             iterations: int, case: str) -> list[np.ndarray]:
-    """Algorithm 1 written out independently (spec §2.1), numpy, client by client; Case I in its proof
+    """Algorithm 1 written out independently, numpy, client by client; Case I in its proof
     version (after averaging a client uses g_k(x̄))."""
     A, c, mu = problem.A.numpy(), problem.c.numpy(), problem.mu
 
@@ -155,7 +155,7 @@ def test_p1_counterexample_fedavg_co_stays_above_half_feddro_converges():
         finals[name] = float(synced[-1][0])
         if name != "feddro":
             assert min(float(x[0]) for x in synced) >= 0.5           # Theorem 4.1
-    assert finals["I"] == pytest.approx(1.24229, abs=1e-4)           # spec §6.1 table (proof version)
+    assert finals["I"] == pytest.approx(1.24229, abs=1e-4)           # independent reference (proof version)
     assert finals["II"] == pytest.approx(1.21828, abs=1e-4)
     assert abs(finals["feddro"]) < 1e-10
 
@@ -177,7 +177,7 @@ def test_p2_fedavg_co_settles_at_the_biased_points(case, expected):
     sim = CompositionalSimulation(FedDRO.fedavg_co(case, 2), problem, 0.05, x0=P2_X0)
     sim.run(2000)
     x = sim.model()
-    np.testing.assert_allclose(x.numpy(), expected, atol=1e-4)       # spec §6.2 table, η = 0.05, I = 2
+    np.testing.assert_allclose(x.numpy(), expected, atol=1e-4)       # independent reference, η = .05, I = 2
     assert float((x - problem.x_star()).norm()) > 0.3
     assert float(problem.grad_phi(x).norm()) > 0.3
 
@@ -193,7 +193,7 @@ def test_p2_drift_feddro_bias_is_first_order_in_the_step_size():
         errors[eta] = sim.model() - x_star
     ratio = float(errors[0.02].norm() / errors[0.01].norm())
     assert 1.9 <= ratio <= 2.1                                       # halving η halves FedDRO's drift
-    np.testing.assert_allclose(errors[0.01].numpy(), (0.00888, 0.00378), atol=2e-4)   # spec §6.3
+    np.testing.assert_allclose(errors[0.01].numpy(), (0.00888, 0.00378), atol=2e-4)   # ≈ η(I−1)/2·(1.75, .75)
 
 
 # ---------------------------------------------------------------------- stochastic inner estimator (8)

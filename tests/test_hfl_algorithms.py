@@ -1,5 +1,5 @@
-"""Horizontal-FL algorithms: exact equivalences (SC-spec §7.2, float64), invariants and behaviour on
-deterministic heterogeneous quadratics (§7.4)."""
+"""Horizontal-FL algorithms: exact equivalences (float64), invariants and behaviour on deterministic
+heterogeneous quadratics."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_identity_compressed_methods_reduce_to_scaffold(S: int) -> None:
     reference = simulation(Scaffold(), S=S, batch_size=4)
     scafcom = simulation(Scafcom(identity, beta=1.0), S=S, batch_size=4)
     assert_same_trajectory(scafcom, reference, 30)
-    assert float((scafcom.clients.c - scafcom.clients.v).abs().max()) < 1e-12   # spec §7.2 item 8
+    assert float((scafcom.clients.c - scafcom.clients.v).abs().max()) < 1e-12   # C = I: c_i = v_i
 
 
 def test_error_feedback_with_identity_is_fedavg() -> None:
@@ -105,7 +105,7 @@ def test_error_feedback_with_identity_is_fedavg() -> None:
     Scafcom(get_compressor("top-r", r=0.2), beta=0.2),
 ], ids=["scallion-dither2", "scafcom-top20"])
 def test_compressed_rounds_keep_the_invariants(algorithm: Algorithm) -> None:
-    """c = mean c_i; x⁺ = x − γ(c + (N/S)(c⁺ − c)); non-participants bitwise frozen (spec §7.2 items 5-7)."""
+    """c = mean c_i; x⁺ = x − γ(c + (N/S)(c⁺ − c)); non-participants bitwise frozen."""
     S = 3
     sim = simulation(algorithm, S=S, batch_size=4)
     gamma = sim.config.effective_step
@@ -123,7 +123,7 @@ def test_compressed_rounds_keep_the_invariants(algorithm: Algorithm) -> None:
 
 
 def test_scafcom_with_one_local_step_and_full_gradients_is_ef21() -> None:
-    """β = 1, K = 1, S = N, σ = 0: c_i ← c_i + C(∇f_i(x) − c_i), x ← x − η_g η_l mean c_i (spec §3.4)."""
+    """β = 1, K = 1, S = N, σ = 0: c_i ← c_i + C(∇f_i(x) − c_i), x ← x − η_g η_l mean c_i (EF21)."""
     top = get_compressor("top-r", r=0.4)
     lr_local, lr_global = 0.05, 0.7
     sim = simulation(Scafcom(top, beta=1.0), K=1, lr_local=lr_local, lr_global=lr_global)
@@ -159,7 +159,7 @@ def test_uplink_bits_are_the_compressors_payload_sizes() -> None:
     assert sim.downlink_bits == 7 * 3 * 2 * 64 * DIM              # x and c, float64, to each participant
 
 
-# --- behaviour on deterministic heterogeneous quadratics (σ = 0, spec §7.4) ---------------------------
+# --- behaviour on deterministic heterogeneous quadratics (σ = 0) ---------------------------------------
 
 def run_rounds(sim: FederatedSimulation, rounds: int) -> FederatedSimulation:
     for _ in range(rounds):

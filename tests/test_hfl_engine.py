@@ -44,7 +44,7 @@ def quadratic_simulation(algorithm, S: int = 3, K: int = 4, lr_local: float = 0.
 
 
 def test_vectorised_rounds_equal_the_per_client_reference_loop() -> None:
-    """SCAFCOM with Top-r, partial participation, σ = 0, against a plain per-client loop (spec §3.8)."""
+    """SCAFCOM with Top-r, partial participation, σ = 0, against a plain per-client loop."""
     top = get_compressor("top-r", r=0.5)
     beta, K, lr_local, lr_global, S = 0.4, 4, 0.05, 0.8, 3
     sim = quadratic_simulation(Scafcom(top, beta=beta), S=S, K=K, lr_local=lr_local, lr_global=lr_global)

@@ -1,6 +1,6 @@
-"""ISCA, ISCAM and FedPAQ: the exact relations of ISCA-spec §4 and the identities of §3.3 (float64,
-seeded), the ledger, and behaviour on heterogeneous quadratics (§10.3) plus a Monte-Carlo check of
-ISCAM's one-round unbiasedness (§10.2)."""
+"""ISCA, ISCAM and FedPAQ: exact relations to SCAFFOLD and FedAvg and the identities of Algorithm 1's
+inner loop (float64, seeded), the ledger, and behaviour on heterogeneous quadratics plus a Monte-Carlo
+check of ISCAM's one-round unbiasedness."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class RecordingLeastSquares(LeastSquares):
 
 
 class LinearLoss(LeastSquares):
-    """F(x; a) = a·x: the gradient does not depend on the point (relation R7)."""
+    """F(x; a) = a·x: the gradient does not depend on the point."""
 
     def loss_and_grad(self, W: torch.Tensor, X: torch.Tensor, y: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,13 +109,13 @@ def assert_same_isca_trajectory(a: FederatedSimulation, b: FederatedSimulation, 
     assert_same_trajectory(a, b, rounds, atol, client_state="u")
 
 
-# --- exact relations (ISCA-spec §4 and §10.1) ----------------------------------------------------------
+# --- exact relations --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("batch_size", [None, 4], ids=["sigma0", "minibatch"])
 @pytest.mark.parametrize("S", [N_CLIENTS, 3])
 def test_isca_equals_a_literal_per_client_loop_of_algorithm_1(S: int, batch_size: int | None) -> None:
-    """E1-E3, E9: Lines 5-18 verbatim (inner-loop copies u_i^{t,k}, v_i^{t,k} updated at every step),
-    with identities (I1) and (I3)-(I6) asserted inside, against the vectorised ISCA."""
+    """Lines 5-18 verbatim (inner-loop copies u_i^{t,k}, v_i^{t,k} updated at every step), with the
+    identities that make them redundant asserted inside, against the vectorised ISCA."""
     K, lr_local, lr_global = 4, 0.03, 0.8
     model = RecordingLeastSquares(DIM)
     sim = simulation(Isca(), S=S, K=K, batch_size=batch_size, lr_local=lr_local, lr_global=lr_global,
@@ -139,16 +139,16 @@ def test_isca_equals_a_literal_per_client_loop_of_algorithm_1(S: int, batch_size
             y, v_i, u_i, g_sum = x.copy(), v.copy(), u[i].copy(), np.zeros(DIM)
             for k in range(K):
                 g = gradient(k, j, y)
-                np.testing.assert_allclose(v_i - u_i, v - u[i], **close)                 # (I1)
+                np.testing.assert_allclose(v_i - u_i, v - u[i], **close)                 # (24a)
                 y = y - lr_local * (g - u_i + v_i)                                       # Line 8
                 v_i = v_i + g - u_i                                                      # Line 9
                 u_i = g                                                                  # Line 10
-                np.testing.assert_allclose(v_i, v + g - u[i], **close)                   # (I3)
+                np.testing.assert_allclose(v_i, v + g - u[i], **close)
                 g_sum += g
             g_last = gradient(K, j, y)                                                   # Line 12
             v_i = v_i + g_last - u_i                                                     # Line 13
-            np.testing.assert_allclose(v_i - v, g_last - u[i], **close)                  # (I4)
-            np.testing.assert_allclose((x - y) / (lr_local * K), v + g_sum / K - u[i], **close)   # (I5)
+            np.testing.assert_allclose(v_i - v, g_last - u[i], **close)
+            np.testing.assert_allclose((x - y) / (lr_local * K), v + g_sum / K - u[i], **close)
             u_new[i] = g_last                                                            # Line 14
             model_moves.append(y - x)
             control_moves.append(v_i - v)
@@ -158,22 +158,22 @@ def test_isca_equals_a_literal_per_client_loop_of_algorithm_1(S: int, batch_size
         np.testing.assert_allclose(sim.server.x.numpy(), x, **close)
         np.testing.assert_allclose(sim.server.v.numpy(), v, **close)
         np.testing.assert_allclose(sim.clients.u.numpy(), u, **close)
-        np.testing.assert_allclose(sim.server.v.numpy(), sim.clients.u.numpy().mean(axis=0), **close)  # (I6)
+        np.testing.assert_allclose(sim.server.v.numpy(), sim.clients.u.numpy().mean(axis=0), **close)
         idle = torch.ones(N_CLIENTS, dtype=torch.bool)
         idle[sim.last_clients] = False
-        assert torch.equal(sim.clients.u[idle], u_before[idle])                          # E9: bitwise
+        assert torch.equal(sim.clients.u[idle], u_before[idle])                          # bitwise
 
 
 @pytest.mark.parametrize("S", [N_CLIENTS, 3])
 def test_iscam_with_unit_betas_and_identity_is_isca(S: int) -> None:
-    """R2 / E4 (both draw K + 1 minibatches per round, so σ > 0 is fine)."""
+    """Both draw K + 1 minibatches per round, so σ > 0 is fine."""
     assert_same_isca_trajectory(simulation(Iscam(IDENTITY, beta1=1.0, beta2=1.0), S=S, batch_size=4),
                                 simulation(Isca(), S=S, batch_size=4), rounds=30)
 
 
 @pytest.mark.parametrize("S", [N_CLIENTS, 3])
 def test_iscam_beta1_is_a_global_step_for_scale_equivariant_compressors(S: int) -> None:
-    """R4 / E5: ISCAM(α_out, β1 = 0.1) ≡ ISCAM(0.1·α_out, β1 = 1) under 2-bit dithering with the same
+    """ISCAM(α_out, β1 = 0.1) ≡ ISCAM(0.1·α_out, β1 = 1) under 2-bit dithering with the same
     compressor draws (dithering is positively scale-equivariant)."""
     damped = simulation(Iscam(DITHER2, beta1=0.1, beta2=0.1), S=S, batch_size=4, lr_global=2.0)
     rescaled = simulation(Iscam(DITHER2, beta1=1.0, beta2=0.1), S=S, batch_size=4, lr_global=0.2)
@@ -182,8 +182,8 @@ def test_iscam_beta1_is_a_global_step_for_scale_equivariant_compressors(S: int) 
 
 @pytest.mark.parametrize("S", [N_CLIENTS, 3])
 def test_iscam_without_control_learning_is_fedavg(S: int) -> None:
-    """R5 / E6: β2 = 0, zero controls, β1 = 1, C = I is FedAvg with two-sided learning rates; u and v stay
-    exactly 0. σ = 0, since ISCAM draws one more minibatch per round than FedAvg (trap T10)."""
+    """β2 = 0, zero controls, β1 = 1, C = I is FedAvg with two-sided learning rates; u and v stay exactly
+    0. σ = 0, since ISCAM draws one more minibatch per round than FedAvg."""
     iscam = simulation(Iscam(IDENTITY, beta1=1.0, beta2=0.0, cv_init="zeros"), S=S, lr_global=0.7)
     fedavg = simulation(FedAvg(), S=S, lr_global=0.7)
     for _ in range(30):
@@ -195,7 +195,7 @@ def test_iscam_without_control_learning_is_fedavg(S: int) -> None:
 
 @pytest.mark.parametrize("S", [N_CLIENTS, 3])
 def test_isca_is_scaffold_when_gradients_do_not_depend_on_the_point(S: int) -> None:
-    """R7 / E8: linear losses, σ = 0: g^{t,K} = ḡ^t, so ISCA's refresh equals SCAFFOLD's (option II)."""
+    """Linear losses, σ = 0: g^{t,K} = ḡ^t, so ISCA's refresh equals SCAFFOLD's (option II)."""
     isca = simulation(Isca(cv_init="zeros"), S=S, model=LinearLoss(DIM), lr_local=0.05)
     scaffold = simulation(Scaffold(cv_init="zeros"), S=S, model=LinearLoss(DIM), lr_local=0.05)
     for _ in range(20):
@@ -208,7 +208,7 @@ def test_isca_is_scaffold_when_gradients_do_not_depend_on_the_point(S: int) -> N
 
 
 def test_full_participation_round_of_isca_and_scaffold() -> None:
-    """R8 / E7: from the same state and minibatches one round gives the same x^{t+1} (the model direction
+    """From the same state and minibatches one round gives the same x^{t+1} (the model direction
     is mean ḡ for both), SCAFFOLD has x⁺ = x − γ·c⁺ and ISCA's v⁺ = mean g^{t,K} ≠ the model direction."""
     isca = simulation(Isca(), batch_size=4)
     scaffold = simulation(Scaffold(cv_init="full_grad"), batch_size=4)
@@ -219,12 +219,12 @@ def test_full_participation_round_of_isca_and_scaffold() -> None:
     gamma = isca.config.effective_step
     assert max_diff(isca.server.x, scaffold.server.x) < 1e-12                       # same first K batches
     assert max_diff(scaffold.server.x, x0 - gamma * scaffold.server.c) < 1e-12
-    assert max_diff(isca.server.v, isca.clients.u.mean(dim=0)) < 1e-12              # (I8), S = N
+    assert max_diff(isca.server.v, isca.clients.u.mean(dim=0)) < 1e-12              # S = N: v⁺ = mean u_i
     assert max_diff(isca.server.x, x0 - gamma * isca.server.v) > 1e-3               # v⁺ is not the direction
 
 
 def test_communication_and_gradient_ledger() -> None:
-    """E10: ISCA sends 2 full-precision vectors and receives 2 per participant and computes K + 1
+    """ISCA sends 2 full-precision vectors and receives 2 per participant and computes K + 1
     gradients; ISCAM sends 2 compressed messages; SCAFFOLD (one vector) and FedAvg compute K."""
     rounds, S, K = 6, 3, 5
     isca = run_rounds(simulation(Isca(), S=S, K=K, batch_size=4), rounds)
@@ -243,7 +243,8 @@ def test_communication_and_gradient_ledger() -> None:
 
 @pytest.mark.parametrize("u_update", ["compressed", "uncompressed_literal"])
 def test_iscam_invariant_holds_only_with_the_compressed_u_update(u_update: str) -> None:
-    """E3 with compression: v = mean u_i after every round (§3.5 fix); the printed Line 14 breaks it."""
+    """With compression, v = mean u_i after every round with the compressed u-update; the printed Line 14
+    (uncompressed) breaks it."""
     sim = simulation(Iscam(DITHER2, beta1=0.1, beta2=0.1, u_update=u_update), S=3, batch_size=4)
     gaps = []
     for _ in range(30):
@@ -260,7 +261,7 @@ def test_iscam_invariant_holds_only_with_the_compressed_u_update(u_update: str) 
 
 
 def test_iscam_round_is_unbiased_over_the_compressor() -> None:
-    """§10.2: with fixed data (σ = 0) and randomness only from C, E_C[x^{t+1}] and E_C[v^{t+1}] equal the
+    """With fixed data (σ = 0) and randomness only from C, E_C[x^{t+1}] and E_C[v^{t+1}] equal the
     identity-compressor round (whose global step is β1·α_out)."""
     draws, S = 600, 4
 
@@ -285,7 +286,7 @@ def test_iscam_round_is_unbiased_over_the_compressor() -> None:
         assert np.all(np.abs(samples.mean(axis=0) - exact) < 5 * standard_error + 1e-12)
 
 
-# --- behaviour on deterministic quadratics (σ = 0, ISCA-spec §10.3) -----------------------------------
+# --- behaviour on deterministic quadratics (σ = 0) ----------------------------------------------------
 
 @pytest.mark.parametrize(("algorithm", "S", "lr_global"), [
     (Isca(), N_CLIENTS, 1.0),
@@ -306,7 +307,8 @@ def test_isca_and_iscam_reach_the_exact_optimum_of_heterogeneous_quadratics(
 
 
 def test_iscam_with_the_printed_line_14_converges_to_a_biased_point() -> None:
-    """T4: the literal u-update leaves e = v − mean u ≠ 0, and the limit x̂ solves ∇f(x̂) = −e."""
+    """The printed Line 14 (uncompressed u-update) leaves e = v − mean u ≠ 0, and the limit x̂ solves
+    ∇f(x̂) = −e."""
     sim = run_rounds(simulation(Iscam(DITHER2, beta1=0.1, beta2=0.1, u_update="uncompressed_literal"),
                                 lr_global=10.0), 500)
     assert distance_to_optimum(sim) > 1e-2

@@ -8,11 +8,14 @@ name`` points at the submodule ``pkg.name`` when there is one, else at the packa
 Layers: ``protocols`` (codecs, transports) and ``vfl`` (the algorithms) import neither each other nor
 ``parties``, which runs them across processes; compressors reach ``vfl.hfl`` by injection. The entry
 points that start a run, ``vfl.cli`` and ``vfl.estimator``, are the exception: they call into ``parties``.
+
+One more source-hygiene check lives here: comments and docstrings point only inside the repository.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("vfl", "parties", "protocols")
 ENTRY_POINTS = {"vfl.cli", "vfl.estimator"}
 MAY_NOT_IMPORT = {"protocols": ("vfl", "parties"), "vfl": ("parties", "protocols")}
+SCANNED = (*PACKAGES, "experiments", "tests")
+SPEC_POINTER = re.compile(r"spec ?§|-spec\b|spec\.md|trap T\d+|(?<![A-Za-z])§\d")
 
 
 def _module_name(path: Path) -> str:
@@ -107,3 +112,21 @@ def test_the_checker_sees_a_cycle_even_behind_type_checking(tmp_path: Path, type
     graph = import_graph(modules)
     assert graph == {"a": {"b"}, "b": {"a"}, "c": {"a"}}
     assert cycles(graph) == [["a", "b"]]
+
+
+def test_comments_point_only_inside_the_repository() -> None:
+    """Comments and docstrings cite the public papers or files of this repository, never the sections or
+    trap numbers of implementation notes kept outside it: they state the point or quote the line."""
+    this = Path(__file__).resolve()
+    results = ROOT / "experiments" / "results"
+    hits = []
+    for package in SCANNED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if results in path.parents:
+                continue
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+                if path == this and line.startswith("SPEC_POINTER = "):
+                    continue  # the pattern itself
+                if SPEC_POINTER.search(line):
+                    hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert hits == [], "pointers outside the repository:\n" + "\n".join(hits)

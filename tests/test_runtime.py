@@ -97,8 +97,8 @@ def test_every_theta_is_applied_exactly_once_per_collaborator(svrg_run):
 
 
 def test_messages_carry_only_what_the_protocol_allows(svrg_run):
-    """Spec 3.5: the hot path carries sample indices, masked tree sums and (ϑ, i): nothing that could
-    hold a label vector or a feature row (every message is a few words for B = 1)."""
+    """VFB² never sends x, w_l, y_i or gradients: the hot path carries sample indices, masked tree sums
+    and (ϑ, i), nothing that could hold a label vector or a feature row (a few words each for B = 1)."""
     y = load("breast-cancer", seed=0).y_train
     allowed = {(AGGREGATION_TAG, HEADER_WORDS + 1), (TAG_THETA, 4), (TAG_DONE, 1), (TAG_STOP, 1),
                (TAG_HEARTBEAT, 1)}

@@ -1,4 +1,5 @@
-"""Tree pairs: the paper's example, the spec's leaky pairs, the seeded construction, both checks."""
+"""Tree pairs: the paper's example, the q = 3 leaky and secure pairs (caveat 3 of
+docs/secure-aggregation.md), the seeded construction, both checks."""
 
 from __future__ import annotations
 

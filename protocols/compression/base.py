@@ -11,12 +11,12 @@ A compressor here is a *codec*: its message is a real byte string, and ``Payload
 The codec's parameters (r, bits, groups, ...) are not sent: both ends of a link are configured with the
 same compressor object, as with any agreed codec.
 
-Decisions (the specs are silent):
+Decisions (the papers are silent):
 - Floats travel in the input's float type: float32 input → 32-bit values on the wire (the papers'
   setting), float64 input → 64-bit values. No codec adds rounding beyond its own, so float64
   equivalence tests stay exact, and a float64 run honestly pays 64 bits per value.
 - Randomness comes only from the ``torch.Generator`` passed in, one per client, so the compressors of
-  different clients are independent (SC-spec §2.1) and runs are reproducible.
+  different clients are independent (SCALLION's Theorem 1 needs that) and runs are reproducible.
 - ``compress_batch`` / ``decompress_batch`` / ``roundtrip_batch`` handle the rows of ``[S, d]`` with the
   same code path as ``compress`` (a single row is a batch of one), so they consume each generator exactly
   as ``compress`` would and give bit-identical results; the round trip still goes through the bytes, so

@@ -1,10 +1,11 @@
-"""Unbiased random dithering (QSGD) with s levels: SC-spec §2.2 Example 2, ISCA-spec §2.
+"""Unbiased random dithering (QSGD) with s levels: Example 2 of the SCAFCOM paper and of the ISCA paper's
+Appendix A.
 
     C(x) = ‖x‖₂ · sign(x) ⊙ ζ(x) / s,   ζ_k = ⌊u_k⌋ + Bernoulli(u_k − ⌊u_k⌋),   u_k = s·|x_k| / ‖x‖₂
 
 with s = 2^b for ``bits=b`` (the papers use b = 2 and 4), or any s ≥ 1 with ``levels=s`` (FedPAQ's
 quantizer: s = 2^(b−1) − 1). The norm is that of the whole vector, and the division by s is there
-(the ISCA paper's printed formula drops it and is biased by 2^b; ISCA-spec T7). E[C(x)] = x and
+(the ISCA paper's printed formula drops it and is biased by a factor 2^b). E[C(x)] = x and
 ω = min(d/s², √d/s). x = 0 gives 0.
 
 Randomness: each message draws two 63-bit integers from its ``torch.Generator`` (a fixed amount per
@@ -232,9 +233,9 @@ class _LevelSampler:
         """Positions (increasing) and levels ζ ∈ {1..s} of the entries of x whose level is not zero.
 
         ζ = ⌊u + U⌋ is ⌊u⌋ + 1 exactly when U ≥ 1 − (u − ⌊u⌋), which has probability u − ⌊u⌋: the
-        stochastic rounding of the spec. (In float32 the sum u + U rounds at ulp(s), a bias below 2^-19
-        in the probability of rounding up, far under the float32 output precision.) Rounding can give
-        u = s(1 + ε), hence ζ = s + 1, when one entry carries the whole norm: clamped to s.
+        stochastic rounding of the papers' definition. (In float32 the sum u + U rounds at ulp(s), a bias
+        below 2^-19 in the probability of rounding up, far under the float32 output precision.) Rounding
+        can give u = s(1 + ε), hence ζ = s + 1, when one entry carries the whole norm: clamped to s.
         """
         real, p = self.dtype.type, self.precision
         stream = _seeded_stream(generator)

@@ -1,8 +1,9 @@
 """``ScaledUnbiased(C, ω)``: x ↦ C(x)/(1+ω), turning an ω-unbiased compressor into a contractive one.
 
-SC-spec §2.1: if E[C(x)] = x and E‖C(x) − x‖² ≤ ω‖x‖², then C(x)/(1+ω) satisfies
-E‖C(x)/(1+ω) − x‖² ≤ (ω/(1+ω))·‖x‖², so q² = ω/(1+ω). SCAFCOM runs unbiased compressors through this
-(Corollary 1; SC-spec T14).
+If E[C(x)] = x and E‖C(x) − x‖² ≤ ω‖x‖², then C(x)/(1+ω) satisfies
+E‖C(x)/(1+ω) − x‖² ≤ (ω/(1+ω))·‖x‖², so q² = ω/(1+ω) (Safaryan et al. 2022, Lemma 1, cited by the SCAFCOM
+paper). SCAFCOM runs unbiased compressors through this (its Corollary 1); its theory does not cover raw
+unbiased dithering.
 
 The message is the inner compressor's, unchanged: the receiver knows the wrapper and applies the
 1/(1+ω) on decoding, so the wrapper costs no bits. ω is the inner compressor's ``omega(d)`` unless a

@@ -1,13 +1,14 @@
-"""Sign compressors: plain sign (SignSGD), scaled sign and grouped sign (SC-spec §2.2 Example 4).
+"""Sign compressors: plain sign (SignSGD), scaled sign and grouped sign (the SCAFCOM paper's Example 4).
 
     sign:          C(x) = sign(x)                                      (biased, not contractive)
     grouped sign:  C(x)_k = sign(x_k) · ‖x_{I_m}‖₁ / |I_m|  for k ∈ I_m   (q² = 1 − 1/max_m |I_m|)
     scaled sign:   grouped sign with one group, (‖x‖₁/d)·sign(x)        (q² = 1 − 1/d)
 
-Grouped sign with the layers as groups is EF-SignSGD's per-tensor scale (FedBAT-spec §4.3).
+Grouped sign with the layers as groups is EF-SignSGD's per-tensor scale (the FedBAT paper sets its step
+size to ‖m‖₁/d).
 
-Decision: one bit per entry cannot carry sign(0) = 0, so a zero entry is sent as + (FedBAT-spec §4);
-its reconstruction is +scale. The contraction identity is unchanged, because sign(x_k)·x_k = |x_k| for
+Decision (the papers do not say): one bit per entry cannot carry sign(0) = 0, so a zero entry is sent
+as +; its reconstruction is +scale. The contraction identity is unchanged, because sign(x_k)·x_k = |x_k| for
 either choice at x_k = 0:  ‖C(x) − x‖² = ‖x‖² − Σ_m ‖x_{I_m}‖₁² / |I_m|. A zero vector gives scale 0,
 so the scaled codecs return 0; plain sign returns all +1.
 

@@ -1,4 +1,5 @@
-"""Sparsifiers: Top-r (biased, contractive) and Rand-k (scaled, unbiased). SC-spec §2.2, Examples 1 and 3.
+"""Sparsifiers: Top-r (biased, contractive) and Rand-k (scaled, unbiased): the SCAFCOM paper's Examples 3
+and 1.
 
 Wire format (both): header, then the k kept positions in increasing order, each packed at
 ceil(log2 d) bits (18 bits for d = 235,146), padded to a byte, then the k values in the input's float
@@ -6,10 +7,11 @@ type. k is not sent: the receiver derives it from d and its own configuration (r
 at d = 235,146 that is 48 + 2351·(18 + 32) bits ≈ 14.7 kB instead of 940.6 kB.
 
 Decisions:
-- Top-r keeps k = max(1, ⌊r·d⌋) entries of the whole flattened vector (SC-spec T13), where r·d is
-  evaluated exactly on the decimal value of r (so r = 0.29, d = 100 keeps 29, not 28). Ties at the
-  threshold go to the lowest index, so the kept set is a deterministic function of x. The kept values
-  are sent unscaled. q²(d) = 1 − k/d, which is 1 − r when r·d is an integer.
+- Top-r keeps k = max(1, ⌊r·d⌋) entries of the whole flattened vector (the paper defines it over R^d
+  and never mentions per-layer top-k), where r·d is evaluated exactly on the decimal value of r (so
+  r = 0.29, d = 100 keeps 29, not 28). Ties at the threshold go to the lowest index, so the kept set is a
+  deterministic function of x. The kept values are sent unscaled. q²(d) = 1 − k/d, which is 1 − r when
+  r·d is an integer.
 - Top-r is computed exactly but fast: a strided sample of |x| gives a threshold below the k-th largest
   magnitude with high probability; only the entries above it (picked by a numba loop, see ``kernels``)
   go through an exact partial sort. If the sample was unlucky (fewer than k candidates) the row falls

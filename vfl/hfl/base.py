@@ -98,7 +98,7 @@ class FLConfig:
 
     @property
     def effective_step(self) -> float:
-        """γ = η_g·η_l·K, the server step of the SCAFFOLD family (spec §3.5)."""
+        """γ = η_g·η_l·K, the server step of the SCAFFOLD family (the SCAFCOM paper's Appendix B)."""
         return self.lr_global * self.lr_local * self.local_steps
 
 

@@ -1,6 +1,6 @@
 """The FedBAT paper's models (Table 4): a 4-conv CNN for FMNIST/SVHN and ResNet-10 for CIFAR-10/100.
 
-Buildable reading of Table 4 (FedBAT-spec §6.2):
+Buildable reading of Table 4 (which lists only the conv, block and linear layers):
 
 - **CNN**: four times [Conv 3×3, padding 1, no bias → BatchNorm → ReLU → MaxPool 2×2], then Flatten and a
   bias-free Linear. The pooling is not in the table but is implied by its Linear input sizes: 28→14→7→3→1

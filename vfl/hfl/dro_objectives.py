@@ -1,36 +1,36 @@
-"""Compositional objectives Φ(x) = h(x) + f(g(x)) of FedDRO (Khanduri et al.; spec §1.3 and §6).
+"""Compositional objectives Φ(x) = h(x) + f(g(x)) of FedDRO (Khanduri et al.).
 
 Federated form (paper eq. (2)): K clients, h = (1/K)Σ_k h_k and g = (1/K)Σ_k g_k, f shared. A client can
 evaluate its own h_k, g_k and their gradients, never g; that is what makes local compositional gradients
-biased (spec §1.4) and what FedDRO's shared inner estimate ȳ repairs.
+biased and what FedDRO's shared inner estimate ȳ repairs.
 
 Two families live here:
 
-* :class:`LossComposition`: the DRO objectives of the paper's §2.1, written through the per-sample loss
-  ℓ = ℓ(x; ζ) with a *scalar* inner function (d_g = 1). A composition only maps losses to inner values
+* :class:`LossComposition`: the DRO objectives of the paper's Section 2.1, written through the per-sample
+  loss ℓ = ℓ(x; ζ) with a *scalar* inner function (d_g = 1). A composition only maps losses to inner values
   g(ℓ), non-compositional terms h(ℓ) and their slopes, so any model that yields per-sample losses plugs in.
   The stochastic gradient (7) is then a weighted loss gradient Σ_j w_j ∇ℓ_j / |b| with
   w_j = h'(ℓ_j) + ∇f(ȳ)·g'(ℓ_j).
 
   - :class:`KLDRO`: KL-regularised DRO, g = exp((ℓ − c₀)/λ), f = λ·log(y) + c₀ (the exact dual value,
     ``scale_by_lambda=True``, default) or log(y) + c₀/λ (the paper's eq. (4), which drops the factor λ:
-    same minimisers, gradients 1/λ times larger; spec trap T10). The shift c₀ is a constant of the run
-    (changing it mid-run would corrupt the recursion (8)); gradients do not depend on it. Because ℓ ≥ 0,
-    g ≥ exp(−c₀/λ); ∇f is evaluated at max(ȳ, that floor) and each clamp is counted (trap T9), while the
-    unclamped ȳ stays the recursion state.
+    same minimisers, gradients 1/λ times larger, i.e. a rescaled learning rate). The shift c₀ is a
+    constant of the run (changing it mid-run would corrupt the recursion (8)); gradients do not depend on
+    it. Because ℓ ≥ 0, g ≥ exp(−c₀/λ); ∇f is evaluated at max(ȳ, that floor) and each clamp is counted,
+    while the unclamped ȳ stays the recursion state.
   - :class:`Chi2DRO`: χ²-regularised DRO in its **corrected** form (the paper's printed eq. (5) has the
-    wrong sign and misses the mean loss; inconsistency I5): h = ℓ + ℓ²/(2λ), g = ℓ, f(u) = −u²/(2λ). The
-    closed form equals the DRO value only while every optimal weight 1 + (ℓ_j − ℓ̄)/λ is ≥ 0; negative
-    per-sample weights are counted (trap T11).
+    wrong sign and misses the mean loss: it equals −Var(ℓ)/(2λ)): h = ℓ + ℓ²/(2λ), g = ℓ,
+    f(u) = −u²/(2λ). The closed form equals the DRO value only while every optimal weight
+    1 + (ℓ_j − ℓ̄)/λ is ≥ 0; negative per-sample weights are counted.
   - :class:`ERM`: h = ℓ, g = 0, the plain empirical risk (a reference, not a paper baseline).
 
 * :class:`AffineInnerProblem`: closed-form toy problems with g_k(x; ζ) = A_k x + c_k + ζ, optional linear
   h_k(x) = ⟨v_k, x⟩ and f(y) = √(‖y‖² + μ²), on which ∇Φ, x* and the biased fixed points are known:
-  :func:`p1_problem` (the paper's Theorem 4.1 counterexample, eq. (10)), :func:`p2_problem` (spec §6.2:
-  four clients, heterogeneous Jacobians), with ``drift=True`` the §6.3 variant and ``noise_std > 0`` the
-  §6.4 stochastic one. It implements the same two-phase problem protocol as the data-backed
-  :class:`vfl.hfl.feddro.FederatedDRO` (``sample`` → ``evaluate`` → ``Evaluation.gradient``), so the
-  algorithms run unchanged on both.
+  :func:`p1_problem` (the paper's Theorem 4.1 counterexample, eq. (10)), :func:`p2_problem` (its 2-D
+  generalisation: four clients, heterogeneous Jacobians), with ``drift=True`` heterogeneous linear terms
+  h_k that average to zero and with ``noise_std > 0`` noisy inner values. It implements the same
+  two-phase problem protocol as the data-backed :class:`vfl.hfl.feddro.FederatedDRO` (``sample`` →
+  ``evaluate`` → ``Evaluation.gradient``), so the algorithms run unchanged on both.
 
 Scalar arithmetic (g, ȳ, weights) is done in float64 whatever the model's dtype.
 """
@@ -55,7 +55,7 @@ class LossComposition(ABC):
 
     def __init__(self) -> None:
         self.clamps = 0               # ∇f evaluations that had to clamp ȳ into the domain of f (KL)
-        self.negative_weights = 0     # per-sample weights < 0 seen in gradients (χ², trap T11)
+        self.negative_weights = 0     # per-sample weights < 0 seen in gradients (χ², small λ)
         self.weights_seen = 0
 
     @abstractmethod
@@ -156,7 +156,8 @@ class KLDRO(LossComposition):
 
 
 class Chi2DRO(LossComposition):
-    """χ²-regularised DRO, corrected closed form ℓ̄ + (1/(2λ))[(1/m)Σℓ² − ℓ̄²] (spec §1.3(b))."""
+    """χ²-regularised DRO, corrected closed form ℓ̄ + (1/(2λ))[(1/m)Σℓ² − ℓ̄²], not the
+    paper's printed eq. (5) (wrong sign, no mean loss)."""
 
     name = "chi2-dro"
 
@@ -347,8 +348,8 @@ P2_DRIFT_V = ((1.0, 0.0), (-1.0, 1.0), (0.0, -1.0), (0.0, 0.0))
 
 def p2_problem(*, drift: bool = False, noise_std: float = 0.0, jac_noise_std: float = 0.0,
                batch_size: int = 1) -> AffineInnerProblem:
-    """Spec §6.2: K = 4, d = d_g = 2, Ā = I, c̄ = (0, 1), x* = (0, −1), heterogeneous A_k and c_k.
-    ``drift`` adds h_k = ⟨v_k, x⟩ with Σ v_k = 0 (§6.3); ``noise_std`` adds value noise ζ (§6.4)."""
+    """P1 in 2-D: K = 4, d = d_g = 2, Ā = I, c̄ = (0, 1), x* = (0, −1), heterogeneous A_k and c_k.
+    ``drift`` adds h_k = ⟨v_k, x⟩ with Σ v_k = 0; ``noise_std`` adds value noise ζ."""
     return AffineInnerProblem(torch.tensor(P2_A), torch.tensor(P2_C), mu=2.0,
                               v=torch.tensor(P2_DRIFT_V) if drift else None, noise_std=noise_std,
                               jac_noise_std=jac_noise_std, batch_size=batch_size)

@@ -5,12 +5,12 @@ One round: sample S of N clients uniformly without replacement; gather their per
 tensors, one batched model call per local step) → ``server_update`` → optional reply → write the
 clients' rows back. Non-sampled clients' rows are never touched.
 
-Randomness (spec trap T7): one ``numpy.random.SeedSequence(seed)`` spawns independent streams for the
-initial model, client sampling, minibatches and compression; the compression stream spawns one
-``torch.Generator`` per client, so each client's compressor draws are independent of the others' and of
-which other clients are sampled. The same seed gives the same trajectory, and two algorithms run with the
-same seed see the same initial model, the same client samples and (when they draw as many minibatches)
-the same minibatches.
+Randomness: one ``numpy.random.SeedSequence(seed)`` spawns independent streams for the initial model,
+client sampling, minibatches and compression; the compression stream spawns one ``torch.Generator`` per
+client, so each client's compressor draws are independent of the others' (SCALLION's Theorem 1 needs
+mutually independent compressors) and of which other clients are sampled. The same seed gives the same
+trajectory, and two algorithms run with the same seed see the same initial model, the same client samples
+and (when they draw as many minibatches) the same minibatches.
 
 Memory: each persistent per-client vector is an ``[N, d]`` store; for N = 200 and the 784-256-128-10 MLP
 (d = 235,146) that is 188 MB in float32 per vector (SCAFFOLD: c_i; SCAFCOM: c_i and v_i, 376 MB).

@@ -1,5 +1,6 @@
-"""Fed-EF-SGD (Li & Li 2023): FedAvg with a compressed uplink and per-client error feedback (spec §4.1
-item 3, trap T17). The paper compares SCAFCOM against this SGD-server variant.
+"""Fed-EF-SGD (Li & Li 2023, Algorithm 1): FedAvg with a compressed uplink and per-client error feedback.
+The SCAFCOM paper compares against this variant "since our proposed algorithms conduct SGD-type updates in
+the server".
 
 Client i ∈ S^t: plain local SGD, u_i = y_i^{t,K} − x^t, sends p_i = C_i(u_i + e_i), keeps the error
 e_i ← e_i + u_i − p_i (non-sampled clients' errors go stale, unchanged). Server:

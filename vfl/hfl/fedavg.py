@@ -1,4 +1,4 @@
-"""FedAvg / Fed-SGD with two-sided learning rates (Yang et al. 2021; spec §4.1 item 1).
+"""FedAvg / Fed-SGD with two-sided learning rates (Yang et al. 2021), the SCAFCOM paper's reference.
 
 Each sampled client runs K plain local SGD steps from x^t and sends y_i^{t,K} − x^t in full precision;
 the server moves x^{t+1} = x^t + (η_g/S)·Σ_{i∈S^t}(y_i^{t,K} − x^t). Fed-SGD is the case K = 1.

@@ -16,7 +16,8 @@ p'_k = n_k / Σ_{j∈S_t} n_j, no server learning rate; the BN tensors are avera
 The baselines (:mod:`vfl.hfl.signsgd`) run the same local SGD (FedBAT with no binarization phase) and
 compress the finished update instead; :class:`FederatedCNN` runs any of them.
 
-Decisions where the paper is silent (FedBAT-spec §3.7, §7.2), all logged by ``describe()``:
+Decisions where the paper is silent (several follow the authors' released code), all logged by
+``describe()``:
 - BatchNorm γ/β are trained directly and sent in float32 with the running statistics; their bits are
   counted for every method alike. ``num_batches_tracked`` is averaged and rounded.
 - Upload: a *fresh* binarization of the final (m, α) (the authors' code), or ``upload="last_forward"``:
@@ -214,7 +215,8 @@ class Method(ABC):
 
 
 class _StepSizes(BinarizationPhase):
-    """One client's per-layer α = α'·exp(ρα_e) during one round (all state is fresh each round: T2)."""
+    """One client's per-layer α = α'·exp(ρα_e) during one round (all state is fresh each round:
+    FedBAT clients carry nothing across rounds)."""
 
     def __init__(self, method: FedBAT, generator: torch.Generator) -> None:
         self.method = method

@@ -1,5 +1,5 @@
 """FedCOMGATE (Haddadpour et al. 2021): compressed uplink on the gradient-tracking method VRL-SGD
-(spec §4.1 item 4; rule checked there against the authors' FedTorch code).
+(the paper gives no pseudo-code; the rule below follows the authors' FedTorch code, ``fedgate.py``).
 
 Each client keeps a tracking variable δ_j ≈ ∇f_j − ∇f (initially 0). Client j ∈ S^r: local steps
 y ← y − η_l·(g − δ_j), sends Q_j = C_j((x^r − y_j^K)/η_l). Server: D = (1/S)ΣQ_j, x ← x − η_l η_g·D,
@@ -7,17 +7,19 @@ and replies D to the round's participants, which set δ_j ← δ_j + ((x^r − y
 *uncompressed* local difference (as in FedTorch).
 
 Decisions: (x^r − y_j^K)/η_l is computed as K·(ḡ_j − δ_j), its exact value for these local steps,
-instead of by subtraction (trap T9). The paper proves FedCOMGATE for full participation only; under
-partial participation the sampled clients track with the mean D over the sampled set and the others keep
-δ_j unchanged. The δ update is split across the round: ``client_update`` adds the local part and
-``client_finish`` subtracts D/K once the reply arrives; the stored state is complete after the round.
+instead of by subtraction, which loses precision in float32 when η_l is small. The paper proves FedCOMGATE
+for full participation only; under partial participation the sampled clients track with the mean D over
+the sampled set and the others keep δ_j unchanged. The δ update is split across the round:
+``client_update`` adds the local part and ``client_finish`` subtracts D/K once the reply arrives; the
+stored state is complete after the round.
 
 Known behaviour, not a bug (tests/test_fedcomgate_reduction.py): because δ_j moves with the uncompressed
 local difference but the server with the compressed mean, Σ_j δ_j accumulates the compression errors
 Σ_j (m_j − C(m_j))/K. With an unbiased compressor whose error scales with ‖m‖ (random dithering), that
-drift feeds itself and grows exponentially at any η; the theory assumes a bounded compression error
-(SC-spec §2.4). In the FMNIST reproductions FedCOMGATE with 2- and 4-bit dithering therefore diverges,
-where SCALLION (which keeps c = mean c_i exactly and damps each c_i's error by α) does not.
+drift feeds itself and grows exponentially at any η. The theory assumes "uniformly bounded compression
+errors", which the SCAFCOM paper calls "invalid for practical compressors such as ... random dithering".
+In the FMNIST reproductions FedCOMGATE with 2- and 4-bit dithering therefore diverges, where SCALLION
+(which keeps c = mean c_i exactly and damps each c_i's error by α) does not.
 """
 
 from __future__ import annotations

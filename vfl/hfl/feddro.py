@@ -4,7 +4,7 @@ simulated with all K clients stacked as ``[K, d]`` tensors.
 Why not :class:`vfl.hfl.engine.FederatedSimulation`: its round is "broadcast → I independent local steps →
 aggregate", while FedDRO needs a barrier at *every* local step: each client sends its estimate y_k of the
 inner function g = (1/K)Σ_k g_k, the server averages them and every client steps along
-∇h_k + ∇g_k·∇f(ȳ) (spec §2, trap T19). So this module runs its own iterations and reuses the engine's
+∇h_k + ∇g_k·∇f(ȳ) (Algorithm 2, line 6). So this module runs its own iterations and reuses the engine's
 pieces by composition: :class:`~vfl.hfl.data.FederatedData` (client-contiguous rows, one-gather
 minibatches with replacement), :class:`~vfl.hfl.engine.Streams` (seeded random streams),
 :func:`~vfl.hfl.base.wire_bits` (bits of real payloads) and :class:`~vfl.hfl.engine.MetricsLog`.
@@ -12,13 +12,13 @@ minibatches with replacement), :class:`~vfl.hfl.engine.Streams` (seeded random s
 One iteration t (the paper's letters: K clients, I local steps per model round, t counts local steps):
 
 1. every client draws one minibatch b_k^t and evaluates its inner value at x_k^t **and** at x_k^{t−1}
-   (the point of its previous gradient step, untouched by averaging: trap T4) on that same batch;
+   (the point of its previous gradient step, untouched by averaging) on that same batch;
 2. y_k^t = (1−β)(y_k^{t−1} − ĝ_k(x_k^{t−1}; b)) + ĝ_k(x_k^t; b)   (eq. (8));
 3. ``y_sync="step"`` (FedDRO): the server averages, every client sets y_k^t := ȳ^t;
-4. x_k^{t+1} = x_k^t − η^t [∇̂h_k(x_k^t) + ∇̂g_k(x_k^t)·∇f(y_k^t)]   (eq. (7), same batch: trap T7);
+4. x_k^{t+1} = x_k^t − η^t [∇̂h_k(x_k^t) + ∇̂g_k(x_k^t)·∇f(y_k^t)]   (eq. (7), same batch);
 5. if (t+1) mod I == 0: every x_k^{t+1} := x̄^{t+1} (model round).
 
-Ablation switch ``y_sync`` (spec §2.8): "round" shares y only at the first step of each model round,
+Ablation switch ``y_sync``: "round" shares y only at the first step of each model round,
 "never" never shares. With β = 1 and exact evaluations these are exactly Algorithm 1 Case II and Case I
 (the proof version of Appendix D: after averaging a client uses g_k(x̄)), and "step" is the "modified
 FedAvg" of Theorem 4.2. :meth:`FedDRO.fedavg_co` and :meth:`FedDRO.mbsgd` build these baselines; MBSGD-CO
@@ -26,18 +26,21 @@ FedAvg" of Theorem 4.2. :meth:`FedDRO.fedavg_co` and :meth:`FedDRO.mbsgd` build 
 
 Decisions where the paper is silent (also returned by :meth:`FedDRO.describe` for the logs):
 
-* y_k^{−1} (inconsistency I13): ``init="blend"`` sets y^{−1} := ȳ_init and runs (8) at t = 0, which gives
-  (1−β)ȳ_init + β·ĝ_k(x̄^0; b^0) because x^{−1} = x^0; ``init="skip"`` uses ȳ^0 = ȳ_init. ȳ_init is one
-  extra all-reduce of one minibatch per client at x̄^0 (counted in the ledger), unless given.
-* The returned model is the last synchronised x̄, not the theory's random iterate (trap T14).
-* Inner estimates travel in float64 (64 bits per entry; the recursion is done in float64, trap T9); models
-  travel in their own dtype. The ledger counts both exchanges separately (trap T12); the paper's
+* y_k^{−1}, which (8) needs at t = 0 but the paper's initialisation leaves undefined: ``init="blend"``
+  sets y^{−1} := ȳ_init and runs (8) at t = 0, which gives (1−β)ȳ_init + β·ĝ_k(x̄^0; b^0) because
+  x^{−1} = x^0; ``init="skip"`` uses ȳ^0 = ȳ_init. ȳ_init is one extra all-reduce of one minibatch per
+  client at x̄^0 (counted in the ledger), unless given.
+* The returned model is the last synchronised x̄, not the theory's random iterate.
+* Inner estimates travel in float64 (64 bits per entry; the recursion is done in float64); models
+  travel in their own dtype. The ledger counts both exchanges separately; the paper's
   "communication rounds" are the model rounds only.
-* ``independent_grad_batch=True`` draws a second minibatch for the gradient (7) (trap T7); the default
-  shares one batch between (7) and (8), as the paper's notation does.
-* No momentum or weight decay on x (trap T17); constant β (clipped to (0, 1] by validation).
+* ``independent_grad_batch=True`` draws a second minibatch for the gradient (7) (the analysis treats
+  ∇f(ȳ^t) as independent of the gradient batch); the default shares one batch between (7) and (8), as
+  the paper's notation does.
+* No momentum or weight decay on x (the momentum is on the inner estimate only); constant β (clipped to
+  (0, 1] by validation).
 * Models here have no BatchNorm, so the extra forward pass at x_k^{t−1} has no running statistics to
-  disturb (trap T3/T16).
+  disturb.
 
 The data-backed problem is :class:`FederatedDRO` (any :class:`TorchModel` + a
 :class:`~vfl.hfl.dro_objectives.LossComposition`); the closed-form toy problems are in
@@ -160,7 +163,7 @@ class TorchModel:
 
 def small_cnn(n_classes: int = 10, side: int = 28) -> TorchModel:
     """conv5×5(1→16)-ReLU-maxpool2 → conv5×5(16→32)-ReLU-maxpool2 → linear (18,378 parameters at 28×28):
-    the spec's CPU reduction of the paper's ResNet20 (no BatchNorm)."""
+    a CPU-sized stand-in for the paper's ResNet20 (no BatchNorm)."""
     flat = 32 * (((side - 4) // 2 - 4) // 2) ** 2
     module = nn.Sequential(nn.Unflatten(-1, (1, side, side)), nn.Conv2d(1, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
                            nn.Conv2d(16, 32, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(-3),
@@ -303,7 +306,8 @@ class FedDROState(VectorState):
 
 @dataclass
 class CommLedger:
-    """Bits on the wire, summed over clients, kept apart for the two exchange frequencies (trap T12)."""
+    """Bits on the wire, summed over clients, kept apart for the two exchange frequencies
+    (inner estimates every iteration, models every I iterations)."""
 
     inner_uplink_bits: int = 0
     inner_downlink_bits: int = 0
@@ -423,7 +427,7 @@ class CompositionalSimulation:
         return self.ledger.uplink_bits / (self.problem.n_clients * rounds)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume bitwise (trap T18): models, previous points, inner estimates,
+        """Everything needed to resume bitwise: models, previous points, inner estimates,
         the iteration (lr-schedule position), the minibatch stream and the ledger."""
         return {"state": self.state.clone().tensors(), "iteration": self.iteration,
                 "generator": self.generator.get_state(), "ledger": asdict(self.ledger)}

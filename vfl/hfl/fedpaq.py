@@ -1,5 +1,5 @@
-"""FedPAQ (Reisizadeh et al. 2020): periodic averaging with a quantized uplink (SC-spec §4.2,
-FedBAT-spec §4.7).
+"""FedPAQ (Reisizadeh et al. 2020): periodic averaging with a quantized uplink (cited by the
+SCAFCOM and ISCA papers; run at 3 and 4 bits in the FedBAT paper's Table 5).
 
 Each round the server samples S of the N clients uniformly; each runs K plain local SGD steps from x^t
 (periodic averaging: τ = K in the paper's notation) and sends Q(y_i^{t,K} − x^t), an unbiased quantization
@@ -10,9 +10,9 @@ ISCA paper's Table 2 marks it as not supporting heterogeneity). With the identit
 Decisions:
 - The quantizer is injected. The paper's is QSGD with s levels, ``get_compressor("dithering", levels=s)``;
   for "b bits per parameter" use s = 2^(b−1) − 1 (one sign bit and b − 1 level bits: s = 3 at 3 bits,
-  s = 7 at 4 bits, FedBAT-spec §4.7), or ``bits=b`` for the SCALLION/ISCA papers' s = 2^b. The norm is
-  that of the whole flattened update, not per layer (the codec's convention; the paper's analysis is over
-  R^d).
+  s = 7 at 4 bits; the FedBAT paper does not say how its bits map to levels), or ``bits=b`` for the
+  SCALLION/ISCA papers' s = 2^b. The norm is that of the whole flattened update, not per layer (the
+  codec's convention; the paper's analysis is over R^d).
 - An unbiased quantizer is required (the paper's Assumption: E[Q(x)] = x with bounded variance); a biased
   compressor is a ValueError, since without error feedback its bias is never corrected (use Fed-EF).
 """

@@ -1,25 +1,26 @@
-"""ISCA (Improved Stochastic Controlled Averaging, Algorithm 1 of the ISCA paper; ISCA-spec §3.2).
+"""ISCA (Improved Stochastic Controlled Averaging, Algorithm 1 of the ISCA paper).
 
 The client keeps a cached gradient u_i (SCAFFOLD's c_i), the server a global control v = mean_i u_i
 (SCAFFOLD's c). Client i ∈ S^t, from the round's shared snapshot (x^t, v^t):
 
-- K local steps ``y ← y − α_in·(g − u_i + v)`` (Lines 6-10; by identity (I2) the paper's inner-loop copies
-  u_i^{t,k}, v_i^{t,k} never change this direction, so they are not materialised);
+- K local steps ``y ← y − α_in·(g − u_i + v)`` (Lines 6-10; Line 9 keeps v_i^{t,k} − u_i^{t,k} equal to
+  v^t − u_i^{t,0}, the paper's step (24a), so its inner-loop copies never change this direction and are
+  not materialised);
 - one **extra** minibatch gradient g_i^{t,K} at the final local model y_i^{t,K}, on a fresh minibatch
-  (Line 12, trap T2); it refreshes the cache, u_i ← g_i^{t,K} (Line 14), and never moves the model;
+  (Line 12); it refreshes the cache, u_i ← g_i^{t,K} (Line 14), and never moves the model;
 - two full-precision vectors up (Line 15): the model move y − x and the control increment
-  Δ_i = v_i^{t,K+1} − v^t = g_i^{t,K} − u_i (identity (I4)).
+  Δ_i = v_i^{t,K+1} − v^t = g_i^{t,K} − u_i (Lines 9 and 13 telescope to this).
 
 Server: x ← x + (α_out/S)·Σ(y − x) (Line 17, weight 1/S) and v ← v + (1/N)·ΣΔ_i (Line 18, weight 1/N:
-keeps v = mean_i u_i under partial participation, trap T1). ISCA is therefore SCAFFOLD whose control
-variate is refreshed with one gradient at y_i^{t,K} instead of the mean of the K local gradients (R1).
+keeps v = mean_i u_i under partial participation, which 1/S would break). ISCA is therefore SCAFFOLD whose
+control variate is refreshed with one gradient at y_i^{t,K} instead of the mean of the K local gradients.
 
 Decisions:
 - Line 15 sends v_i^{t,K+1} itself; the server only ever uses v_i^{t,K+1} − v^t, so the increment is sent
   instead: the same d floats, the same server state in exact arithmetic, and no float32 cancellation
   (v + Δ) − v on the server. The tests compare this form with a literal per-client Lines 5-18 loop.
 - ``cv_init`` defaults to "full_grad": Line 1, u_i^0 = ∇f_i(x^0) on each client's whole data, v^0 their
-  mean (trap T8; the pass touches all N clients before round 0 and is not in the bit ledger). "zeros" and
+  mean (the pass touches all N clients before round 0 and is not in the bit ledger). "zeros" and
   "minibatch" are the other options, always with v^0 = mean_i u_i^0.
 - Costs per participant and round: K + 1 gradients, 2 vectors up, 2 down (x and v).
 """

@@ -1,5 +1,5 @@
 """ISCAM (Algorithm 2 of the ISCA paper): ISCA with two compressed uplink messages, for ω-unbiased
-compressors (ISCA-spec §3.4-3.5).
+compressors.
 
 Client i ∈ S^t runs ISCA's local pass (K corrected steps and the extra gradient g_i^{t,K} at y_i^{t,K}),
 then (Lines 13-15)
@@ -10,19 +10,19 @@ and sends δ̃_i = C_i(δ_i) and Δ̃_i = C_i(Δ_i), two independent compressor 
 stream. Server (Lines 17-18): x ← x + (α_out α_in K/S)·Σδ̃_i and v ← v + (1/N)·ΣΔ̃_i.
 
 Decisions:
-- The u-update (Line 14) uses the **compressed** increment, u_i ← u_i + Δ̃_i (spec §3.5, trap T4):
-  Appendix D and Lemma 5 need it, and it keeps v = mean_i u_i exactly. The printed Line 14 (u_i ← u_i +
-  Δ_i, uncompressed) is kept behind ``u_update="uncompressed_literal"`` for ablations: the gap
-  v − mean_i u_i then accumulates compression errors and the iterates converge to a biased point.
-- δ_i is computed as −β1·(v^t + ḡ_i − u_i), its exact value for these local steps (identity (I5)), not by
-  the subtraction (y − x)/(α_in K), which loses precision in float32 (trap T9).
+- The u-update (Line 14) uses the **compressed** increment, u_i ← u_i + Δ̃_i: Appendix D and Lemma 5
+  need it, and it keeps v = mean_i u_i exactly. The printed Line 14 (u_i ← u_i + Δ_i, uncompressed) is
+  kept behind ``u_update="uncompressed_literal"`` for ablations: the gap v − mean_i u_i then accumulates
+  compression errors and the iterates converge to a biased point.
+- δ_i is computed as −β1·(v^t + ḡ_i − u_i), its exact value for these local steps, not by the
+  subtraction (y − x)/(α_in K), which loses precision in float32.
 - β1 scales the whole model direction, so it acts as an extra global step (β1·α_out) and is never undone
-  (trap T5); β2 is the control variables' learning rate. β1 ∈ (0, 1] (β1 = 0 would freeze the model),
-  β2 ∈ [0, 1] (β2 = 0 with zero-initialised controls is FedAvg with a compressed uplink, relation R5).
+  (no 1/β1 compensation); β2 is the control variables' learning rate. β1 ∈ (0, 1] (β1 = 0 would freeze
+  the model), β2 ∈ [0, 1] (β2 = 0 with zero-initialised controls is FedAvg with a compressed uplink).
   The paper's experiments use β1 = β2 = 0.1 with 2- and 4-bit random dithering.
 - ``cv_init`` defaults to "full_grad": Algorithm 2 has no initialisation line, so Algorithm 1's Line 1 is
-  used (spec §3.6). A biased compressor is accepted (the update is well defined) unless
-  ``allow_biased=False``, as for SCALLION; the theory needs an unbiased one.
+  used. A biased compressor is accepted (the update is well defined) unless ``allow_biased=False``, as
+  for SCALLION; the theory needs an unbiased one.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ class Iscam(WithCompressor, Algorithm[CachedControl, CachedGradients]):
                       ) -> tuple[Uplink, CachedGradients]:
         u = clients.u
         result = extra_gradient_pass(down, u, ctx)
-        model_direction = -self.beta1 * (down["v"] + result.local.grad_mean - u)      # δ_i, via (I5)
-        control_delta = self.beta2 * (result.final_gradient - u)                       # Δ_i, via (I4)
+        model_direction = -self.beta1 * (down["v"] + result.local.grad_mean - u)      # = δ_i, exactly
+        control_delta = self.beta2 * (result.final_gradient - u)                       # Δ_i = β2·(v_i − v)
         model_message = ctx.compress(self.compressor, model_direction)
         control_message = ctx.compress(self.compressor, control_delta)
         applied = control_message.values if self.u_update == "compressed" else control_delta

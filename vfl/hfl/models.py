@@ -158,7 +158,8 @@ def softmax_regression(n_features: int, n_classes: int) -> MLP:
 
 class LeastSquares:
     """Linear least squares ``F(x; (a, b)) = ½(a·x − b)²`` (no bias), convex with a closed-form optimum:
-    the deterministic heterogeneous quadratics of spec §7.4 are clients holding different ``(A_i, b_i)``."""
+    the deterministic heterogeneous quadratics of tests/test_hfl_algorithms.py are clients holding different
+    ``(A_i, b_i)``."""
 
     def __init__(self, n_features: int) -> None:
         if n_features < 1:
@@ -191,7 +192,8 @@ class LeastSquares:
 
 def least_squares_optimum(X: np.ndarray, y: np.ndarray, parts: Sequence[np.ndarray]) -> np.ndarray:
     """Minimiser of f(x) = (1/N) Σ_i f_i(x), f_i = mean over client i's rows of ½(a·x − b)²: every client
-    weighs 1/N whatever its size (spec §1). Solves Σ_i A_iᵀA_i/n_i x = Σ_i A_iᵀb_i/n_i."""
+    weighs 1/N whatever its size (the SCAFCOM paper never weights by dataset size). Solves
+    Σ_i A_iᵀA_i/n_i x = Σ_i A_iᵀb_i/n_i."""
     d = X.shape[1]
     H, r = np.zeros((d, d)), np.zeros(d)
     for rows in parts:

@@ -1,10 +1,10 @@
 """SCAFCOM (Huang, Li & Li 2024, Algorithm 2): SCAFFOLD with momentum-enhanced compression, for biased
-(contractive) compressors such as Top-r (spec §3.4).
+(contractive) compressors such as Top-r.
 
 Client i ∈ S^t: SCAFFOLD local steps, then its momentum v_i ← (1−β)·v_i + β·ḡ_i (per client, across
-the rounds it takes part in, from the *uncompressed* mean local gradient; trap T5), δ_i = v_i^{new} − c_i,
+the rounds it takes part in, from the *uncompressed* mean local gradient), δ_i = v_i^{new} − c_i,
 sends δ̃_i = C_i(δ_i), c_i ← c_i + δ̃_i. Server as SCALLION/Algorithm 4. β = 1 with the identity
-compressor is SCAFFOLD. The paper's best setting is β = 0.2. Non-sampled clients keep c_i and v_i (T6).
+compressor is SCAFFOLD. The paper's best setting is β = 0.2. Non-sampled clients keep c_i and v_i unchanged.
 
 Initialisation: v_i^0 = c_i^0 (zeros by default; ∇f_i(x^0) with ``cv_init="full_grad"``), as in the
 paper's theorems and remarks.

@@ -1,4 +1,5 @@
-"""SCAFFOLD (Karimireddy et al. 2020b, option II) in its two equivalent forms (spec §3.1-3.2).
+"""SCAFFOLD (Karimireddy et al. 2020b, option II) in its two equivalent forms (Algorithms 3 and 4 of
+the SCAFCOM paper).
 
 Both run the same local steps ``y ← y − η_l·(g − c_i + c)`` from x^t and keep c = mean_i c_i.
 
@@ -8,14 +9,15 @@ Both run the same local steps ``y ← y − η_l·(g − c_i + c)`` from x^t and
   the server, which knows c, recovers both increments: x −= (γ/S)Σ(Δ_i + c) with γ = η_g η_l K and
   c += (1/N)ΣΔ_i. Same trajectory, half the uplink.
 
-Decision (spec trap T9): Algorithm 4 computes Δ_i from the accumulated mean gradient ḡ_i, not from
-(x − y)/(η_l K), which loses precision in float32; Algorithm 3 keeps the paper's literal formula, since
-reproducing the original is its purpose. In float64 the two agree to ~1e-13.
+Decision: Algorithm 4 computes Δ_i from the accumulated mean gradient ḡ_i, not from (x − y)/(η_l K),
+which loses precision in float32; Algorithm 3 keeps the paper's literal formula, since reproducing the
+original is its purpose. In float64 the two agree to ~1e-13.
 
 Control-variate initialisation ``cv_init``: "zeros" (default; the papers' practice, c_i^0 = c^0 = 0),
 "full_grad" (c_i^0 = ∇f_i(x^0): Theorems 1-2 and ISCA's Line 1) or "minibatch" (one minibatch gradient
-per client at x^0, batch = the run's batch size: Theorems 3-4). Always c^0 = mean_i c_i^0 (trap T3), never
-an independent estimate. The initialisation pass is not counted in the bit ledger.
+per client at x^0, batch = the run's batch size: Theorems 3-4). Always c^0 = mean_i c_i^0, never an
+independent estimate, so that the invariant c = mean_i c_i holds from round 0. The initialisation pass is
+not counted in the bit ledger.
 """
 
 from __future__ import annotations
@@ -74,8 +76,9 @@ def corrected_local_run(down: Downlink, c_clients: torch.Tensor, ctx: RoundConte
 
 
 def apply_control_messages(server: ServerControl, messages: torch.Tensor, config: FLConfig) -> ServerControl:
-    """Server step shared by Algorithm 4, SCALLION and SCAFCOM (spec §3.5, trap T1): with the decoded
-    messages δ̃_i ``[S, d]``, x ← x − γ·(mean_S δ̃_i + c) and c ← c + (1/N)·Σ_S δ̃_i."""
+    """Server step shared by Algorithm 4, SCALLION and SCAFCOM: with the decoded messages δ̃_i ``[S, d]``,
+    x ← x − γ·(mean_S δ̃_i + c) and c ← c + (1/N)·Σ_S δ̃_i (1/S for the model, 1/N for c: 1/S there would
+    break c = mean_i c_i under partial participation)."""
     x = server.x - config.effective_step * (messages.mean(dim=0) + server.c)
     c = server.c + messages.sum(dim=0) / config.n_clients
     return ServerControl(x, c)

@@ -1,9 +1,10 @@
 """SCALLION (Huang, Li & Li 2024, Algorithm 1): SCAFFOLD with one compressed uplink vector, for
-unbiased compressors (spec §3.3).
+unbiased compressors.
 
 Client i ∈ S^t: SCAFFOLD local steps, then δ_i = α·(ḡ_i − c_i), sends δ̃_i = C_i(δ_i) and sets
-c_i ← c_i + δ̃_i (the *compressed* message, trap T2). Server: x ← x − γ·(mean δ̃_i + c),
-c ← c + (1/N)Σδ̃_i. α scales Δ before compression and is never undone (trap T4); α = 1 with the
+c_i ← c_i + δ̃_i (the *compressed* message, as the server does, so c = mean_i c_i holds). Server:
+x ← x − γ·(mean δ̃_i + c), c ← c + (1/N)Σδ̃_i. α scales Δ before compression and is never undone (no 1/α
+on the server: the paper's α "can be viewed as the learning rate of control variables"); α = 1 with the
 identity compressor is SCAFFOLD (Algorithm 4). The paper's best setting is α = 0.1 with 2/4-bit dithering.
 
 Decision: a biased compressor is accepted (the update is well defined) but SCALLION's theory needs an

@@ -2,7 +2,7 @@
 
 Every client runs the same local SGD as FedAvg (:class:`vfl.hfl.fedbat.LocalTrainer` without a
 binarization phase), then compresses its update m_k = w^k_{t+1} − w_t of the binarized tensors (conv and
-linear weights); the server adds Σ p'_k·decode(message_k), p'_k ∝ n_k (FedBAT-spec §4). The BN tensors go
+linear weights); the server adds Σ p'_k·decode(message_k), p'_k ∝ n_k (the paper's Eq. 2-3). The BN tensors go
 up in float32 exactly as for FedBAT.
 
     fedavg         m_k in float32 (32 bits per weight)
