@@ -59,8 +59,8 @@ MAX_ATTEMPTS = 10_000
 
 Q2_REFUSAL = (
     "q = 2 is inherently leaky: the root learns z = o_root + o_other and knows o_root, so it learns the "
-    "other party's partial product o_other exactly, whatever the trees (spec 2.4, caveat 1). Pass "
-    "allow_leaky_q2=True to accept this explicitly."
+    "other party's partial product o_other exactly, whatever the trees (docs/secure-aggregation.md, "
+    "caveat 2). Pass allow_leaky_q2=True to accept this explicitly."
 )
 
 
