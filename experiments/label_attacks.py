@@ -8,6 +8,8 @@ The attacks a passive party can run on its own transcript with no help (usable a
   every training row.
 * ``batch_gradient`` (``--label-privacy he``, needs the party's own block X_l): each batch gives the
   party g = X_Bᵀϑ_B; the minimum-norm ϑ̂_B = (X_Bᵀ)⁺g is the part of ϑ_B its own features span.
+* ``full_gradient`` (``--label-privacy he`` with SVRG, needs X_l): the first snapshot gives the party
+  X_lᵀϑ_0 over all n rows (n μ_l, at w = 0 where ϑ_0 = −y/2); the same minimum-norm inversion.
 
 Each attack gives a score per training row (higher = more likely +1; NaN where it saw nothing) and is
 judged by accuracy and ROC AUC on the rows it covers, and by its coverage. A protected mode must bring
@@ -29,7 +31,13 @@ from pathlib import Path
 import numpy as np
 
 from experiments._machine import cpu_model
-from parties.runtime import AUDIT_FULL_THETA, AUDIT_HE_GRADIENT, TAG_HE_BATCH, TAG_THETA
+from parties.runtime import (
+    AUDIT_FULL_THETA,
+    AUDIT_HE_FULL_GRADIENT,
+    AUDIT_HE_GRADIENT,
+    TAG_HE_BATCH,
+    TAG_THETA,
+)
 
 OUT = Path(__file__).resolve().parent / "results" / "label_attacks"
 
@@ -98,7 +106,19 @@ def batch_gradient(t: Transcript, n_rows: int, X=None) -> np.ndarray:
         return np.where(count > 0, -total / count, np.nan)
 
 
-ATTACKS = {"theta_sign": theta_sign, "full_theta": full_theta, "batch_gradient": batch_gradient}
+def full_gradient(t: Transcript, n_rows: int, X=None) -> np.ndarray:
+    """Score −ϑ̂_0, ϑ̂_0 = (X_lᵀ)⁺g the minimum-norm solution of the first snapshot's X_lᵀϑ_0 (NaN if none)."""
+    gradients = t.of_tag(AUDIT_HE_FULL_GRADIENT)
+    if X is None or not gradients:
+        return np.full(n_rows, np.nan)
+    dense = X.toarray() if hasattr(X, "toarray") else np.asarray(X)
+    return -np.linalg.lstsq(dense.T, gradients[0].view(np.float64), rcond=None)[0]
+
+
+ATTACKS = {"theta_sign": theta_sign, "full_theta": full_theta, "batch_gradient": batch_gradient,
+           "full_gradient": full_gradient}
+#: The attacks that need the party's own training block X_l.
+NEEDS_FEATURES = ("batch_gradient", "full_gradient")
 
 
 def judge(scores: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -118,17 +138,17 @@ def judge(scores: np.ndarray, y: np.ndarray) -> dict[str, float]:
 
 def attack_all(transcript_path: str | Path, y: np.ndarray, X=None) -> dict[str, dict[str, float]]:
     """Every attack on one party's transcript; those that need the party's own training block
-    (``batch_gradient``) only when ``X`` is given."""
+    (:data:`NEEDS_FEATURES`) only when ``X`` is given."""
     t = Transcript.load(transcript_path)
     found = {name: judge(attack(t, y.size), y) for name, attack in ATTACKS.items()
-             if name != "batch_gradient"}
+             if name not in NEEDS_FEATURES}
     if X is not None:
-        found["batch_gradient"] = judge(batch_gradient(t, y.size, X), y)
+        found.update({name: judge(ATTACKS[name](t, y.size, X), y) for name in NEEDS_FEATURES})
     return found
 
 
-#: HE runs SGD only: mini-batches of 256 (above every passive block of a9a / credit-card at q = 4)
-#: with the step a batch mean allows.
+#: The HE row runs SGD (the mode FATE runs; SVRG works too) on mini-batches of 256 (above every passive
+#: block of a9a / credit-card at q = 4) with the step a batch mean allows.
 MODES = {"plain": {}, "dp-16": {"label_privacy": "dp", "epsilon": 16.0},
          "dp-4": {"label_privacy": "dp", "epsilon": 4.0}, "dp-1": {"label_privacy": "dp", "epsilon": 1.0},
          "he": {"label_privacy": "he", "algorithm": "sgd", "batch_size": 256, "gamma": 0.5}}

@@ -25,6 +25,8 @@ UPDATES = ("auto", "lazy", "eager")
 #: How the labels are protected: not at all (plain VFB²), ε-label-DP by randomized response, or
 #: passive parties see ϑ only under additively homomorphic encryption (protocols/label_he.py).
 LABEL_PRIVACY = ("none", "dp", "he")
+#: What --label-privacy he can run: steps that need only a batch's summed gradient (SAGA keeps ϑ per row).
+HE_ALGORITHMS = ("sgd", "svrg")
 
 #: Largest mini-batch: one step's (ϑ, i) message and aggregation request must fit the runtime's
 #: receive buffer (``parties.runtime.MAX_MESSAGE_WORDS``).
@@ -203,12 +205,12 @@ def validate(config: RunConfig) -> RunConfig:
 
 
 def _validate_he(c: RunConfig) -> None:
-    """What ``--label-privacy he`` runs today: SGD mini-batches of at least the minimum B."""
+    """What ``--label-privacy he`` runs: SGD and SVRG mini-batches of at least the minimum B."""
     from protocols.label_he import KEY_BITS, MIN_BATCH, SCHEMES
 
-    if c.algorithm != "sgd":
-        raise ConfigError(f"--label-privacy he runs --algorithm sgd only: {c.algorithm}'s full passes "
-                          "(SVRG's μ_l, SAGA's initial table) would send passive parties ϑ in clear")
+    if c.algorithm not in HE_ALGORITHMS:
+        raise ConfigError(f"--label-privacy he runs --algorithm {' or '.join(HE_ALGORITHMS)}: "
+                          f"{c.algorithm}'s per-row ϑ table would need ϑ in clear at every party")
     if c.batch_size < MIN_BATCH:
         raise ConfigError(f"--label-privacy he needs --batch-size of at least {MIN_BATCH} (got "
                           f"{c.batch_size}): a passive party learns its batch gradient X_Bᵀϑ, which gives "
@@ -235,10 +237,15 @@ def check_he_features(c: RunConfig, passive_blocks) -> None:
                           f"passive party has |x| = {largest:g}: scale the features first")
 
 
-def check_he_batch(c: RunConfig, widest_passive_block: int) -> None:
-    """B must exceed every passive block's width, or its batch gradient determines ϑ (label_he)."""
+def check_he_batch(c: RunConfig, widest_passive_block: int, n_train: int) -> None:
+    """B must exceed every passive block's width, or its batch gradient determines ϑ (label_he); so
+    must n for SVRG, whose snapshot gives a passive party X_lᵀϑ_0 over all n rows."""
     from protocols.label_he import min_batch
 
+    if c.label_privacy == "he" and c.algorithm == "svrg" and n_train < min_batch(widest_passive_block):
+        raise ConfigError(f"--label-privacy he with svrg needs more training rows than a passive block "
+                          f"has columns ({n_train} rows, {widest_passive_block} columns): the snapshot's "
+                          "X_lᵀϑ_0 would determine ϑ_0; use --algorithm sgd")
     if c.label_privacy == "he" and c.batch_size < min_batch(widest_passive_block):
         raise ConfigError(f"--label-privacy he needs --batch-size of at least "
                           f"{min_batch(widest_passive_block)} here (got {c.batch_size}): a passive block "
@@ -296,7 +303,7 @@ def _validate_data(c: RunConfig) -> None:
                           f"{c.parties} parties at least one")
     _check_saga_table(c, ds.n_train, -(-ds.n_features // c.parties))
     if c.active < c.parties:  # random_blocks: near-equal blocks, the widest has ⌈d / q⌉ columns
-        check_he_batch(c, -(-ds.n_features // c.parties))
+        check_he_batch(c, -(-ds.n_features // c.parties), ds.n_train)
         check_he_features(c, [ds.X_train])  # which columns go to passive parties is drawn later
 
 
@@ -351,7 +358,7 @@ def _check_party_files(c: RunConfig, folder: Path) -> None:
         raise ConfigError(f"--party-files {folder}: {err}") from None
     _check_saga_table(c, parties[0].X_train.shape[0], max(p.n_features for p in parties))
     if c.active < c.parties:
-        check_he_batch(c, max(p.n_features for p in parties[c.active:]))
+        check_he_batch(c, max(p.n_features for p in parties[c.active:]), parties[0].X_train.shape[0])
         check_he_features(c, [p.X_train for p in parties[c.active:]])
 
 

@@ -58,6 +58,11 @@ TAG_FULL_THETA = 0xF7E7  # on the control communicator, only with sealed channel
 TAG_HE_BATCH = 0x4E7A
 TAG_HE_MASKED = 0x4E3A
 TAG_HE_DECRYPTED = 0x4E9A
+#: --label-privacy he, SVRG snapshots (control communicator, point to point): the encrypted full ϑ_0 to
+#: a passive party (its byte count first), its masked encrypted X_lᵀϑ_0 back, the masked decryption.
+TAG_HE_FULL = 0xF4E7
+TAG_HE_FULL_MASKED = 0xF4E3
+TAG_HE_FULL_DECRYPTED = 0xF4E9
 #: Audit labels of what arrives on the control communicator (collectives, not tagged messages there):
 #: secure-aggregation traffic of the full passes, the full ϑ vector, and control words.
 AUDIT_CTRL_AGGREGATION = 0x1C5EC
@@ -68,7 +73,10 @@ AUDIT_CONTROL_WORD = 0x1C0DE
 #: on the transcript see everything the party knows; nothing crosses under this label).
 AUDIT_HE_KEY = 0x1C4E0
 AUDIT_HE_GRADIENT = 0x1C4E6
-AUDIT_LABELS = (AUDIT_CTRL_AGGREGATION, AUDIT_FULL_THETA, AUDIT_CONTROL_WORD, AUDIT_HE_KEY, AUDIT_HE_GRADIENT)
+#: ... and from each SVRG snapshot's encrypted full pass: X_lᵀϑ_0 (n μ_l), the only thing it learns there.
+AUDIT_HE_FULL_GRADIENT = 0x1C4E7
+AUDIT_LABELS = (AUDIT_CTRL_AGGREGATION, AUDIT_FULL_THETA, AUDIT_CONTROL_WORD, AUDIT_HE_KEY, AUDIT_HE_GRADIENT,
+                AUDIT_HE_FULL_GRADIENT)
 #: Largest message on the data communicator (the hot path sends B = 1 messages of a few words; the
 #: batched full passes use the collective library call on a separate communicator).
 MAX_MESSAGE_WORDS = 1 << 13
@@ -535,7 +543,7 @@ class PartyRuntime:
                     self.max_unacked = max(self.max_unacked,
                                            done - (acked + self.acks.qsize()) // max(len(others), 1))
                 buf = pack(self.sent, step_rows, thetas)
-                sealed = (self._encrypt_batch(step_rows, thetas)
+                sealed = (self._encrypt_batch(step_rows, party.rule.summed_values(step_rows, thetas))
                           if self.he and len(self.active_ranks) < self.q else None)
                 self.sent += 1
                 for dest in others:
@@ -609,6 +617,81 @@ class PartyRuntime:
             self._send_sealed_theta(theta, root)
         self._record(root, AUDIT_FULL_THETA, theta)
         return theta
+
+    def snapshot(self, root: int = 0) -> None:
+        """SVRG's snapshot at every party: ϑ_0 at the current w and μ_l = (1/n) X_lᵀϑ_0.
+
+        Under ``--label-privacy he`` only the label holders get ϑ_0; a passive party gets μ_l alone,
+        through the batch protocol of protocols/label_he.py run once on all n rows (encrypted ϑ_0, its
+        masked encrypted X_lᵀϑ_0, the masked decryption). n must exceed d_l, as B must (checked by
+        the launcher), or X_lᵀϑ_0 would determine ϑ_0.
+        """
+        rule = self.party.rule
+        if not (self.he and len(self.active_ranks) < self.q):
+            rule.snapshot(self.full_theta(root))
+            return
+        z = self.full_scores(root=root)
+        n = self.party.block.n_rows
+        passive = [p for p in range(self.q) if p not in self.active_ranks]
+        if self.rank == root:
+            assert self.party.problem is not None and self._he_key is not None
+            theta = np.asarray(self.party.problem.theta(z, self.party.y), dtype=np.float64)
+            self._send_theta(theta, root, [p for p in self.active_ranks if p != root])
+            try:
+                payload = label_he.pack_bytes(0, self._he_key.encrypt(theta))
+            except OverflowError as err:
+                stop_job(self.data, self.rank, "diverged", str(err))
+            for p in passive:
+                self.ctrl.Send(np.array([payload.size], dtype=np.uint64), p, TAG_HE_FULL)
+                self.ctrl.Send(payload, p, TAG_HE_FULL)
+            for p in passive:  # each answer is bounded before it is allocated, checked before decrypted
+                size = np.zeros(1, dtype=np.uint64)
+                self.ctrl.Recv(size, p, TAG_HE_FULL_MASKED)
+                if not 2 < int(size[0]) <= label_he.ciphertext_limit(self._he_key.key_bits, n) // 8 + 3:
+                    raise ProtocolViolation(p, "masked full gradient", f"announced {int(size[0])} words")
+                masked = np.empty(int(size[0]), dtype=np.uint64)
+                self.ctrl.Recv(masked, p, TAG_HE_FULL_MASKED)
+                _, body = label_he.unpack_bytes(p, masked, "masked full gradient")
+                self.ctrl.Send(self._he_key.decrypt_masked(p, body, n), p, TAG_HE_FULL_DECRYPTED)
+            rule.snapshot(theta)
+        elif self.party.active:
+            theta = np.empty(n)
+            self._receive_theta(theta, root)
+            rule.snapshot(theta)
+        else:
+            gradients = self._he_gradients[root]
+            size = np.zeros(1, dtype=np.uint64)
+            self.ctrl.Recv(size, root, TAG_HE_FULL)
+            limit = label_he.ciphertext_limit(gradients.key_bits, n) // 8 + 3
+            if not 2 < int(size[0]) <= limit:
+                raise ProtocolViolation(root, "encrypted full pass", f"announced {int(size[0])} words")
+            framed = np.empty(int(size[0]), dtype=np.uint64)
+            self.ctrl.Recv(framed, root, TAG_HE_FULL)
+            _, payload = label_he.unpack_bytes(root, framed, "encrypted full pass")
+            masked = label_he.pack_bytes(0, gradients.masked(payload, np.arange(n)))
+            self.ctrl.Send(np.array([masked.size], dtype=np.uint64), root, TAG_HE_FULL_MASKED)
+            self.ctrl.Send(masked, root, TAG_HE_FULL_MASKED)
+            words = np.empty(2 * self.party.block.n_cols, dtype=np.uint64)
+            self.ctrl.Recv(words, root, TAG_HE_FULL_DECRYPTED)
+            gradient = gradients.unmask(words)
+            self._record(root, AUDIT_HE_FULL_GRADIENT, gradient)
+            rule.snapshot_mean(gradient / n)
+
+    def _send_theta(self, theta: np.ndarray, root: int, dests: list[int]) -> None:
+        """The full ϑ from ``root`` to ``dests`` only, sealed when channels are on."""
+        channels = self._theta_channels
+        bufs = {p: theta if channels is None else channels.seal(p, TAG_FULL_THETA, theta) for p in dests}
+        MPI.Request.Waitall([self.ctrl.Isend(buf, p, TAG_FULL_THETA) for p, buf in bufs.items()])
+
+    def _receive_theta(self, theta: np.ndarray, root: int) -> None:
+        channels = self._theta_channels
+        if channels is None:
+            self.ctrl.Recv(theta, root, TAG_FULL_THETA)
+        else:
+            buf = np.empty(theta.size + OVERHEAD_WORDS, dtype=np.uint64)
+            self.ctrl.Recv(buf, root, TAG_FULL_THETA)
+            theta[:] = channels.open(root, TAG_FULL_THETA, buf).view(np.float64)
+        self._record(root, AUDIT_FULL_THETA, theta)
 
     def _send_sealed_theta(self, theta: np.ndarray, root: int) -> None:
         channels = self._theta_channels

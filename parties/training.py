@@ -151,7 +151,7 @@ class _Trainer:
             segment = min(config.eval_every, config.epochs - self.epochs)
             started = time.perf_counter()
             if party.rule.needs_snapshot:
-                party.rule.snapshot(self.rt.full_theta(LEADER))
+                self.rt.snapshot(LEADER)
                 # every party holds the new ϑ₀ and μ before any dominator sends a (ϑ, i) of this outer
                 # loop: one applied with the previous snapshot's ϑ₀ would not be an SVRG step
                 self.rt.ctrl.Barrier()

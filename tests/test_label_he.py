@@ -17,6 +17,7 @@ from experiments.label_attacks import Transcript, attack_all
 from parties.config import ConfigError, RunConfig, check_he_batch, check_he_features, validate
 from parties.runtime import (
     AUDIT_FULL_THETA,
+    AUDIT_HE_FULL_GRADIENT,
     AUDIT_HE_GRADIENT,
     TAG_HE_BATCH,
     TAG_HE_DECRYPTED,
@@ -125,15 +126,21 @@ def test_he_mode_refuses_what_would_reveal_theta():
     base = dict(dataset="breast-cancer", parties=3, active=1, algorithm="sgd", label_privacy="he",
                 batch_size=16)
     validate(RunConfig(**base))  # breast-cancer: 30 features, widest block of 3 parties 10 columns
+    validate(RunConfig(**{**base, "algorithm": "svrg"}))
     for bad, message in ((dict(batch_size=1), "at least 16"), (dict(batch_size=8), "at least 16"),
-                         (dict(algorithm="svrg"), "sgd only"), (dict(algorithm="saga"), "sgd only"),
+                         (dict(algorithm="saga"), "sgd or svrg"),
+                         (dict(algorithm="saga-scalar"), "sgd or svrg"),
                          (dict(updates="lazy"), "eager"), (dict(he_key_bits=1024), "he-key-bits")):
         with pytest.raises(ConfigError, match=message):
             validate(RunConfig(**{**base, **bad}))
     # a passive block of 40 columns: B = 40 would leave 40 equations for 40 unknowns
     with pytest.raises(ConfigError, match=r"at least 41 here.*40 columns"):
-        check_he_batch(RunConfig(**{**base, "batch_size": 40}), 40)
-    check_he_batch(RunConfig(**{**base, "batch_size": 41}), 40)
+        check_he_batch(RunConfig(**{**base, "batch_size": 40}), 40, 1000)
+    check_he_batch(RunConfig(**{**base, "batch_size": 41}), 40, 1000)
+    # SVRG's snapshot gives X_lᵀϑ_0 over all n rows: n ≤ d_l equations determine ϑ_0 (news20's shape)
+    with pytest.raises(ConfigError, match="snapshot's X_lᵀϑ_0 would determine ϑ_0"):
+        check_he_batch(RunConfig(**{**base, "batch_size": 41, "algorithm": "svrg"}), 40, 40)
+    check_he_batch(RunConfig(**{**base, "batch_size": 41, "algorithm": "svrg"}), 40, 41)
     with pytest.raises(ConfigError, match="scale the features"):
         check_he_features(RunConfig(**base), [sp.csr_matrix(np.full((2, 2), 3e6))])
 
@@ -142,6 +149,8 @@ def test_he_mode_refuses_what_would_reveal_theta():
 
 
 B, EPOCHS = 16, 1
+#: The SVRG job: two outer loops (a snapshot at the start of each half epoch).
+SVRG_EVAL_EVERY = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +175,54 @@ def plain_mini_batch_sgd(out) -> list[np.ndarray]:
             w -= gamma * LAM * w  # λ∇g(w) for g = ||w||²/2, then the mean of the B loss parts
             w -= gamma / B * (p.X_train[rows].T @ theta)
     return ws
+
+
+@pytest.fixture(scope="module")
+def he_svrg_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("he-svrg")
+    train(out, "-n", "3", "-m", "1", "--algorithm", "svrg", "--mode", "sync", "-B", str(B), "--epochs",
+          str(EPOCHS), "--eval-every", str(SVRG_EVAL_EVERY), "--label-privacy", "he", "--audit", *CANCER)
+    return out
+
+
+def plain_mini_batch_svrg(out) -> list[np.ndarray]:
+    """Plain mini-batch VFB²-SVRG in one process: at the start of each outer loop ϑ_0 and μ = X_lᵀϑ_0/n
+    at the current w, then steps w −= γ (X_Bᵀ(ϑ − ϑ_0,B)/B + μ + λw), drawn in the runtime's chunks."""
+    parties = [load_party_file(find_party_file(out / "parties", r)) for r in range(3)]
+    y, n = parties[0].y_train, parties[0].y_train.size
+    problem = get_problem("logistic", lam=LAM)
+    gamma = float(CANCER[CANCER.index("--gamma") + 1])
+    ws = [np.zeros(p.X_train.shape[1]) for p in parties]
+    rng = np.random.default_rng([0, 0])
+    for _ in range(round(EPOCHS / SVRG_EVAL_EVERY)):
+        theta0 = problem.theta(sum(p.X_train @ w for p, w in zip(parties, ws, strict=True)), y)
+        mus = [p.X_train.T @ theta0 / n for p in parties]
+        for rows in rng.integers(0, n, size=(math.ceil(SVRG_EVAL_EVERY * n / B), B)):
+            theta = problem.theta(sum(p.X_train[rows] @ w for p, w in zip(parties, ws, strict=True)), y[rows])
+            for p, w, mu in zip(parties, ws, mus, strict=True):
+                w -= gamma * (mu + LAM * w)
+                w -= gamma / B * (p.X_train[rows].T @ (theta - theta0[rows]))
+    return ws
+
+
+@pytest.mark.mpi
+def test_he_svrg_equals_plain_mini_batch_svrg_and_passive_parties_get_only_mu(he_svrg_run):
+    """SVRG under HE: the same iterates as plain mini-batch SVRG, and a passive party's transcript
+    holds no ϑ (neither the batches' nor the snapshots' ϑ_0): one X_lᵀϑ_0 per snapshot instead."""
+    for rank, plain in enumerate(plain_mini_batch_svrg(he_svrg_run)):
+        he = np.load(he_svrg_run / f"party-{rank}.ckpt.npz")["w"]
+        assert np.max(np.abs(plain)) > 0.01
+        assert np.max(np.abs(he - plain)) < 1e-6, rank
+    for passive in (1, 2):
+        t = Transcript.load(he_svrg_run / f"audit-{passive}.npz")
+        assert not t.of_tag(TAG_THETA) and not t.of_tag(AUDIT_FULL_THETA)
+        assert len(t.of_tag(AUDIT_HE_FULL_GRADIENT)) == round(EPOCHS / SVRG_EVAL_EVERY)
+        X = load_party_file(find_party_file(he_svrg_run / "parties", passive), expect_labels=False).X_train
+        found = attack_all(he_svrg_run / f"audit-{passive}.npz", load("breast-cancer", seed=0).y_train, X)
+        assert found["theta_sign"]["coverage"] == found["full_theta"]["coverage"] == 0.0
+        # what HE does not hide: the snapshot's X_lᵀϑ_0, inverted like a batch gradient (docs)
+        assert found["full_gradient"]["coverage"] == 1.0
+        assert found["full_gradient"]["accuracy"] > found["full_gradient"]["majority"]
 
 
 @pytest.mark.mpi

@@ -158,6 +158,16 @@ class UpdateRule(ABC):
         """What a pair's ϑ is compared with: ϑ_0 (SVRG), the ϑ table (SAGA-scalar); unused for SGD."""
         return self.mu  # any float64 array; MODE_SGD never reads it
 
+    def summed_values(self, rows: np.ndarray, thetas: np.ndarray) -> np.ndarray:
+        """The per-row values whose feature-weighted sum is all a party needs for this batch's step
+        (:meth:`apply_gradient`): ϑ itself for SGD, ϑ − ϑ_0 for SVRG. Under ``--label-privacy he`` these
+        are what the dominator encrypts for passive parties."""
+        return thetas
+
+    def _require_eager(self, what: str) -> None:
+        if self.lazy:
+            raise RuntimeError(f"{what} needs the eager kernels (lazy=False)")
+
     def products(self, w: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Local partial products ``x_i^(l) · ŵ_l`` with every touched coordinate caught up.
 
@@ -218,8 +228,7 @@ class SGDRule(UpdateRule):
         """One step from the batch's summed block gradient Σ_b ϑ_b x_{i_b}: the step ``apply`` takes on
         the batch's B pairs, for a party that learns only the sum (``--label-privacy he``). Eager only:
         the lazy kernels' per-coordinate clocks count steps of (ϑ, i) pairs."""
-        if self.lazy:
-            raise RuntimeError("apply_gradient needs the eager kernels (lazy=False)")
+        self._require_eager("apply_gradient")
         if self.reg != REG_NONE:
             w -= self.gamma * self.lam * self.regularizer.gradient(w)
         w -= (self.gamma / self.batch_size) * gradient_sum
@@ -253,6 +262,24 @@ class SVRGRule(UpdateRule):
         self._require_synchronized(w, "snapshot")
         self.theta0 = np.ascontiguousarray(theta0, dtype=np.float64)
         self.mu = self.block.rmatvec(self.theta0) / self.block.n_rows
+
+    def snapshot_mean(self, mu: np.ndarray) -> None:
+        """The snapshot of a party that learns μ_l = (1/n) X_lᵀϑ_0 but not ϑ_0 (``--label-privacy he``):
+        it steps only through :meth:`apply_gradient`, from sums of ϑ − ϑ_0 it never sees per row."""
+        self._require_eager("snapshot_mean")
+        self.theta0 = None
+        self.mu = np.ascontiguousarray(mu, dtype=np.float64)
+
+    def summed_values(self, rows, thetas):
+        return thetas - self.theta0[rows]
+
+    def apply_gradient(self, w: np.ndarray, gradient_sum: np.ndarray) -> None:
+        """One inner step from Σ_b (ϑ_b − ϑ_{0,i_b}) x_{i_b}, the batch's summed block-gradient
+        difference: exactly the step of :func:`~vfl.kernels.svrg_apply` on the batch's B pairs."""
+        self._require_eager("apply_gradient")
+        dense = self.mu + self.lam * self.regularizer.gradient(w) if self.reg != REG_NONE else self.mu
+        w -= self.gamma * dense
+        w -= (self.gamma / self.batch_size) * gradient_sum
 
     def _theta_ref(self):
         return self.theta0
