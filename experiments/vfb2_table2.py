@@ -195,6 +195,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                    target=1e-3 if quick else args.target, epochs=args.epochs,
                                    eval_every=0.5 if quick else 0.25,
                                    data_dir=args.data_dir, runs=runs, cache=nonf_cache(args, out))
+            # after every column: a long campaign stopped early keeps (and shows) what it measured
+            write_outputs(out, runs, results, columns, present, seeds, args, argv, quick)
+    return results
+
+
+def write_outputs(out: Path, runs: list[dict], results: list[dict], columns: list[str], present: set[str],
+                  seeds: list[int], args, argv: list[str] | None, quick: bool) -> None:
     write_rows(out / "runs.csv", runs)
     write_rows(out / "accuracy.csv", results)
     caption = (f"Test accuracy, mean ± std over seeds {', '.join(map(str, seeds))} ({len(seeds)} trials; "
@@ -208,7 +215,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                f"paper's Table 2 (its D1 = our credit-card: same UCI data, our one-hot encoding to 90 "
                f"features and our 80/20 splits). Command: `{command_line(NAME, argv)}`.\n\n")
     (out / "table2.md").write_text(caption + tables(results, columns, present))
-    return results
 
 
 if __name__ == "__main__":
