@@ -613,9 +613,11 @@ class PartyRuntime:
             theta[:] = self.party.problem.theta(z, self.party.y)
         if self._theta_channels is None:
             self.ctrl.Bcast(theta, root=root)
-        else:  # sealed, so point to point: a broadcast cannot be encrypted per receiver
-            self._send_sealed_theta(theta, root)
-        self._record(root, AUDIT_FULL_THETA, theta)
+            self._record(root, AUDIT_FULL_THETA, theta)
+        elif self.rank == root:  # sealed, so point to point: a broadcast cannot be encrypted per receiver
+            self._send_theta(theta, [p for p in range(self.q) if p != root])
+        else:
+            self._receive_theta(theta, root)
         return theta
 
     def snapshot(self, root: int = 0) -> None:
@@ -632,27 +634,11 @@ class PartyRuntime:
             return
         z = self.full_scores(root=root)
         n = self.party.block.n_rows
-        passive = [p for p in range(self.q) if p not in self.active_ranks]
         if self.rank == root:
-            assert self.party.problem is not None and self._he_key is not None
+            assert self.party.problem is not None
             theta = np.asarray(self.party.problem.theta(z, self.party.y), dtype=np.float64)
-            self._send_theta(theta, root, [p for p in self.active_ranks if p != root])
-            try:
-                payload = label_he.pack_bytes(0, self._he_key.encrypt(theta))
-            except OverflowError as err:
-                stop_job(self.data, self.rank, "diverged", str(err))
-            for p in passive:
-                self.ctrl.Send(np.array([payload.size], dtype=np.uint64), p, TAG_HE_FULL)
-                self.ctrl.Send(payload, p, TAG_HE_FULL)
-            for p in passive:  # each answer is bounded before it is allocated, checked before decrypted
-                size = np.zeros(1, dtype=np.uint64)
-                self.ctrl.Recv(size, p, TAG_HE_FULL_MASKED)
-                if not 2 < int(size[0]) <= label_he.ciphertext_limit(self._he_key.key_bits, n) // 8 + 3:
-                    raise ProtocolViolation(p, "masked full gradient", f"announced {int(size[0])} words")
-                masked = np.empty(int(size[0]), dtype=np.uint64)
-                self.ctrl.Recv(masked, p, TAG_HE_FULL_MASKED)
-                _, body = label_he.unpack_bytes(p, masked, "masked full gradient")
-                self.ctrl.Send(self._he_key.decrypt_masked(p, body, n), p, TAG_HE_FULL_DECRYPTED)
+            self._send_theta(theta, [p for p in self.active_ranks if p != root])
+            self._he_full_pass(theta)
             rule.snapshot(theta)
         elif self.party.active:
             theta = np.empty(n)
@@ -660,25 +646,51 @@ class PartyRuntime:
             rule.snapshot(theta)
         else:
             gradients = self._he_gradients[root]
-            size = np.zeros(1, dtype=np.uint64)
-            self.ctrl.Recv(size, root, TAG_HE_FULL)
             limit = label_he.ciphertext_limit(gradients.key_bits, n) // 8 + 3
-            if not 2 < int(size[0]) <= limit:
-                raise ProtocolViolation(root, "encrypted full pass", f"announced {int(size[0])} words")
-            framed = np.empty(int(size[0]), dtype=np.uint64)
-            self.ctrl.Recv(framed, root, TAG_HE_FULL)
-            _, payload = label_he.unpack_bytes(root, framed, "encrypted full pass")
-            masked = label_he.pack_bytes(0, gradients.masked(payload, np.arange(n)))
-            self.ctrl.Send(np.array([masked.size], dtype=np.uint64), root, TAG_HE_FULL_MASKED)
-            self.ctrl.Send(masked, root, TAG_HE_FULL_MASKED)
+            payload = self._recv_framed(root, TAG_HE_FULL, limit, "encrypted full pass")
+            self._send_framed(label_he.pack_bytes(0, gradients.masked(payload, np.arange(n))), root,
+                              TAG_HE_FULL_MASKED)
             words = np.empty(2 * self.party.block.n_cols, dtype=np.uint64)
             self.ctrl.Recv(words, root, TAG_HE_FULL_DECRYPTED)
             gradient = gradients.unmask(words)
             self._record(root, AUDIT_HE_FULL_GRADIENT, gradient)
             rule.snapshot_mean(gradient / n)
 
-    def _send_theta(self, theta: np.ndarray, root: int, dests: list[int]) -> None:
-        """The full ϑ from ``root`` to ``dests`` only, sealed when channels are on."""
+    def _he_full_pass(self, theta: np.ndarray) -> None:
+        """Leader: ϑ_0 encrypted to every passive party, then each one's masked X_lᵀϑ_0 decrypted for it
+        (the passive parties compute theirs in parallel)."""
+        assert self._he_key is not None
+        n = theta.size
+        try:
+            payload = label_he.pack_bytes(0, self._he_key.encrypt(theta))
+        except OverflowError as err:
+            stop_job(self.data, self.rank, "diverged", str(err))
+        passive = [p for p in range(self.q) if p not in self.active_ranks]
+        for p in passive:
+            self._send_framed(payload, p, TAG_HE_FULL)
+        limit = label_he.ciphertext_limit(self._he_key.key_bits, n) // 8 + 3
+        for p in passive:
+            masked = self._recv_framed(p, TAG_HE_FULL_MASKED, limit, "masked full gradient")
+            self.ctrl.Send(self._he_key.decrypt_masked(p, masked, n), p, TAG_HE_FULL_DECRYPTED)
+
+    def _send_framed(self, words: np.ndarray, dest: int, tag: int) -> None:
+        """A variable-length message on the control plane: its word count first."""
+        self.ctrl.Send(np.array([words.size], dtype=np.uint64), dest, tag)
+        self.ctrl.Send(words, dest, tag)
+
+    def _recv_framed(self, source: int, tag: int, limit_words: int, what: str) -> bytes:
+        """The bytes of a :meth:`_send_framed` message of ``label_he.pack_bytes`` words: the announced
+        size is bounded before anything is allocated, the framing checked before it is parsed."""
+        size = np.zeros(1, dtype=np.uint64)
+        self.ctrl.Recv(size, source, tag)
+        if not 2 < int(size[0]) <= limit_words:
+            raise ProtocolViolation(source, what, f"announced {int(size[0])} words (at most {limit_words})")
+        framed = np.empty(int(size[0]), dtype=np.uint64)
+        self.ctrl.Recv(framed, source, tag)
+        return label_he.unpack_bytes(source, framed, what)[1]
+
+    def _send_theta(self, theta: np.ndarray, dests: list[int]) -> None:
+        """The full ϑ from this party to ``dests`` only, point to point, sealed when channels are on."""
         channels = self._theta_channels
         bufs = {p: theta if channels is None else channels.seal(p, TAG_FULL_THETA, theta) for p in dests}
         MPI.Request.Waitall([self.ctrl.Isend(buf, p, TAG_FULL_THETA) for p, buf in bufs.items()])
@@ -692,17 +704,6 @@ class PartyRuntime:
             self.ctrl.Recv(buf, root, TAG_FULL_THETA)
             theta[:] = channels.open(root, TAG_FULL_THETA, buf).view(np.float64)
         self._record(root, AUDIT_FULL_THETA, theta)
-
-    def _send_sealed_theta(self, theta: np.ndarray, root: int) -> None:
-        channels = self._theta_channels
-        assert channels is not None
-        if self.rank == root:
-            sealed = {p: channels.seal(p, TAG_FULL_THETA, theta) for p in range(self.q) if p != root}
-            MPI.Request.Waitall([self.ctrl.Isend(buf, p, TAG_FULL_THETA) for p, buf in sealed.items()])
-            return
-        buf = np.empty(theta.size + OVERHEAD_WORDS, dtype=np.uint64)
-        self.ctrl.Recv(buf, root, TAG_FULL_THETA)
-        theta[:] = channels.open(root, TAG_FULL_THETA, buf).view(np.float64)
 
     def broadcast_word(self, value: int, root: int = 0) -> int:
         """One int64 from ``root`` to every party (control decisions: buffer call, never pickle)."""
