@@ -20,8 +20,10 @@ def run_party(config: RunConfig) -> None:
     from mpi4py import MPI
 
     from parties.loading import load_party
+    from parties.outcomes import EXIT_CODES
     from parties.runtime import OUT_OF_RANGE, stop_job
     from parties.training import MisalignedError, train
+    from protocols.errors import ProtocolViolation
     from protocols.masking import AggregationOverflowError
 
     comm = MPI.COMM_WORLD
@@ -41,6 +43,9 @@ def run_party(config: RunConfig) -> None:
         stop_job(comm, rank, "diverged", OUT_OF_RANGE)
     except MisalignedError as err:
         stop_job(comm, rank, "usage", str(err))
+    except ProtocolViolation as err:  # the sender's fault (the main thread's full passes): name it
+        print(f"[party {rank}] {err}", file=sys.stderr, flush=True)
+        comm.Abort(EXIT_CODES["failed"])
     except Exception as err:  # python -m mpi4py then aborts the whole job
         print(f"[party {rank}] fatal error: {err!r}", file=sys.stderr, flush=True)
         raise

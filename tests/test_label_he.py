@@ -261,3 +261,17 @@ def test_the_dominator_ends_the_job_rather_than_decrypt_a_gradient_that_reveals_
     output = proc.stdout + proc.stderr
     assert proc.returncode not in (0, 139, -11) and "NOT REJECTED" not in output, output
     assert "party 1 sent an invalid masked gradient: 16 values for a batch of 16" in output, output
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("scenario, message", [
+    ("full-wide", "party 1 sent an invalid masked gradient: 40 values for a batch of 40"),
+    ("full-huge", "party 1 sent an invalid masked full gradient: announced 1099511627776 words"),
+])
+def test_the_leader_refuses_a_forged_answer_to_the_snapshots_encrypted_full_pass(scenario, message):
+    """SVRG under HE: passive party 1 answers the snapshot's encrypted ϑ_0 with the n ciphertexts
+    themselves (decrypted, they would be ϑ_0), or announces an answer too large to allocate."""
+    proc = run_mpi(3, ["tests/mpi_scripts/tamper_he.py", scenario], timeout=180, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 139, -11) and "NOT REJECTED" not in output, output
+    assert message in output, output

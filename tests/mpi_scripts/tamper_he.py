@@ -3,8 +3,10 @@ where passive party 1 answers its second encrypted batch with a forged masked gr
 
 ``argv[1]`` picks the forgery: ``wide`` (B well-formed ciphertexts, as many values as the batch has
 rows: decrypting them would let party 1 solve for the batch's ϑ) or ``garbage`` (bytes that are no
-ciphertext array). Party 0 must end the job naming party 1; without that, every rank closes normally
-and prints ``NOT REJECTED``.
+ciphertext array); with SVRG, at the snapshot's encrypted full pass: ``full-wide`` (the n ciphertexts
+of ϑ_0 sent back as its "gradient") or ``full-huge`` (an announced answer of 2^40 words, which the
+leader must refuse before allocating it). Party 0 must end the job naming party 1; without that, every
+rank closes normally and prints ``NOT REJECTED``.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ def main() -> None:
     block = Block.from_matrix(rng.normal(size=(N_ROWS, WIDTH)))
     problem = get_problem("logistic", lam=0.1)
     active = rank == 0
-    rule = get_rule("sgd")(block, problem.regularizer, problem.lam, 0.05, writers=2, lazy=False,
-                           batch_size=BATCH)
+    full = scenario.startswith("full")
+    rule = get_rule("svrg" if full else "sgd")(block, problem.regularizer, problem.lam, 0.05, writers=2,
+                                               lazy=False, batch_size=BATCH)
     party = PartyState(rank=rank, block=block, w=np.zeros(WIDTH), rule=rule,
                        problem=problem if active else None,
                        y=rng.choice([-1.0, 1.0], N_ROWS) if active else None)
@@ -43,13 +46,18 @@ def main() -> None:
 
         def forged(payload: bytes, rows: np.ndarray) -> bytes:
             calls.append(1)
-            if len(calls) < 2:
+            if len(calls) < (1 if full else 2):
                 return honest(payload, rows)
             if scenario == "garbage":
                 return bytes(300)
-            return payload  # the dominator's own B ciphertexts: B values for a batch of B
+            return payload  # the dominator's own ciphertexts: as many values as rows
 
         gradients.masked = forged
+        if scenario == "full-huge":
+            runtime._send_framed = lambda words, dest, tag: runtime.ctrl.Send(
+                np.array([1 << 40], dtype=np.uint64), dest, tag)
+    if full:
+        runtime.snapshot(0)
     if rank == 0:
         runtime.dominate(4)
         runtime.finish_segment()
