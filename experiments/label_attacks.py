@@ -151,9 +151,10 @@ def attack_all(transcript_path: str | Path, y: np.ndarray, X=None) -> dict[str, 
 #: block of a9a / credit-card at q = 4) with the step a batch mean allows.
 MODES = {"plain": {}, "dp-16": {"label_privacy": "dp", "epsilon": 16.0},
          "dp-4": {"label_privacy": "dp", "epsilon": 4.0}, "dp-1": {"label_privacy": "dp", "epsilon": 1.0},
-         "he": {"label_privacy": "he", "algorithm": "sgd", "batch_size": 256, "gamma": 0.5}}
+         "he": {"label_privacy": "he", "algorithm": "sgd", "batch_size": 256, "gamma": 0.5},
+         "he-svrg": {"label_privacy": "he", "algorithm": "svrg", "batch_size": 256, "gamma": 0.5}}
 COLOURS = {"plain": "tab:red", "dp-16": "tab:orange", "dp-4": "tab:green", "dp-1": "tab:blue",
-           "he": "tab:purple"}
+           "he": "tab:purple", "he-svrg": "tab:brown"}
 
 
 def main(argv: list[str] | None = None) -> None:
