@@ -539,4 +539,8 @@ def test_quick_image_experiment_writes_every_table_plot_and_measured_bits(quick_
         rows = [r for r in csv.DictReader(fh) if r["method"].startswith("FedDRO")]
     assert float(rows[-1]["train_kl_dro"]) < float(rows[0]["train_kl_dro"]) - 0.3   # it learns
     text = (out / "results.md").read_text()
-    assert text.count("### ") == 4 and "label-skew" in text
+    assert text.count("### ") == 5 and "label-skew" in text
+    # the λ × β sweep: MBSGD-CO is FedDRO with β = 1, so its row and FedDRO's share every other setting
+    with (out / "sweep.csv").open() as fh:
+        sweep = list(csv.DictReader(fh))
+    assert {float(r["beta"]) for r in sweep} == {0.1, 1.0} and "MBSGD-CO (= FedDRO β=1)" in text
