@@ -20,6 +20,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "channels": ("experiments.bench_channels", "--secure-channels: seal/open cost, per-update time vs plain"),
     "compression": ("experiments.bench_compression", "compressor round-trip cost and payload sizes"),
     "update_cost": ("experiments.bench_update_cost", "time per update vs block width: lazy vs eager kernels"),
+    "update_width": ("experiments.bench_update_width",
+                     "time per dominated update in whole vfl train jobs vs block width (1e2-4e6)"),
     "multihost": ("experiments.bench_multihost",
                   "parties on one host vs one network namespace each (TCP): time per update, round trip"),
     "webspam_shape": ("experiments.bench_webspam_shape",

@@ -396,3 +396,29 @@ def test_update_cost_benchmark_quick(tmp_path):
     rows = json.loads((tmp_path / "results.json").read_text())["results"]
     lazy = [r["median_us"] for r in rows if r["kernel"] == "lazy"]
     assert lazy and all(math.isfinite(t) and t > 0 for t in lazy)
+
+
+def test_update_width_data_holds_the_same_nonzeros_in_every_block_at_every_width():
+    from experiments.bench_update_width import Q, make_data
+
+    for width in (100, 1_000_000):
+        ds = make_data(rows=300, width=width, nnz=10, seed=0)
+        assert ds.n_features == Q * width
+        X = sp.vstack([ds.X_train, ds.X_test]).tocsr()
+        for p in range(Q):
+            block = X[:, p * width:(p + 1) * width]
+            assert np.array_equal(np.diff(block.indptr), np.full(300, 10))  # distinct columns, none lost
+        assert 0.2 < np.mean(ds.y_train > 0) < 0.8  # both classes: a real logistic problem
+
+
+@pytest.mark.mpi
+def test_update_width_benchmark_quick(tmp_path):
+    from experiments import bench_update_width
+
+    bench_update_width.main(["--quick", "--out", str(tmp_path)])
+    for name in ("results.csv", "results.json", "table.md", "update_width.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert {r["width"] for r in saved["runs"]} == {100, 10_000}
+    assert all(r["ms_per_update"] > 0 and r["updates"] >= 800 for r in saved["runs"])
+    assert "load" in (tmp_path / "table.md").read_text()
