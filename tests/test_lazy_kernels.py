@@ -422,3 +422,31 @@ def test_update_width_benchmark_quick(tmp_path):
     assert {r["width"] for r in saved["runs"]} == {100, 10_000}
     assert all(r["ms_per_update"] > 0 and r["updates"] >= 800 for r in saved["runs"])
     assert "load" in (tmp_path / "table.md").read_text()
+
+
+def test_snapshot_mean_gradient_is_scipys_bit_for_bit_and_written_in_place():
+    rng = np.random.default_rng(3)
+    X = sp.random(300, 2_000, density=0.01, random_state=4, format="csr")
+    rule = get_rule("svrg")(Block.from_matrix(X), get_problem("logistic", lam=1e-4).regularizer, 1e-4, 0.1)
+    mu = rule.mu
+    for _ in range(2):
+        theta = rng.normal(size=300)
+        rule.snapshot(theta, np.zeros(2_000))
+        assert np.array_equal(rule.mu, (X.T @ theta) / 300)
+        assert rule.mu is mu  # no fresh d_l-long vectors per snapshot
+
+
+@pytest.mark.parametrize("has_mu", [False, True])
+def test_synchronize_with_shared_gaps_equals_per_coordinate_catch_up(has_mu):
+    rng = np.random.default_rng(5)
+    d = 5_000
+    w, mu = rng.normal(size=d), rng.normal(scale=1e-2, size=d)
+    last = rng.choice([0, 3, 40, 41, 200], size=d).astype(np.int64)  # runs of equal and of short gaps
+    counters = np.zeros((2, 8), dtype=np.int64)
+    counters[:, 0] = [150, 100]
+    gamma, lam = 0.05, 1e-3
+    log_a = math.log1p(-gamma * lam)
+    want = np.array([kernels.catch_up(w[j], mu[j], 250 - last[j], gamma, lam, REG_L2, has_mu, log_a, 32)
+                     for j in range(d)])
+    kernels.lazy_synchronize(w, mu, has_mu, gamma, lam, REG_L2, last, counters, log_a, 32)
+    assert np.array_equal(w, want) and np.all(last == 250)

@@ -195,6 +195,14 @@ class UpdateRule(ABC):
                                      self.reg, self.last, self.counters, self._log_a, self.exact_gap)
         self._synced_at = self.steps
 
+    def _set_mean_gradient(self, theta: np.ndarray) -> None:
+        """μ_l = X_lᵀϑ / n, written into the existing ``mu`` (a snapshot at 4M columns would otherwise
+        fault in two fresh 32 MB vectors)."""
+        b = self.block
+        if self.mu.size != b.n_cols:
+            self.mu = np.zeros(b.n_cols)
+        kernels.mean_block_gradient(b.indptr, b.indices, b.data, theta, self.mu)
+
     @property
     def steps(self) -> int:
         """Steps applied so far by all writer slots (the global clock)."""
@@ -261,7 +269,7 @@ class SVRGRule(UpdateRule):
         caller did (pending dense steps must be applied with the old μ)."""
         self._require_synchronized(w, "snapshot")
         self.theta0 = np.ascontiguousarray(theta0, dtype=np.float64)
-        self.mu = self.block.rmatvec(self.theta0) / self.block.n_rows
+        self._set_mean_gradient(self.theta0)
 
     def snapshot_mean(self, mu: np.ndarray) -> None:
         """The snapshot of a party that learns μ_l = (1/n) X_lᵀϑ_0 but not ϑ_0 (``--label-privacy he``):
@@ -345,7 +353,7 @@ class ScalarSAGARule(UpdateRule):
     def initialize(self, theta_all: np.ndarray, w: np.ndarray) -> None:
         self._require_synchronized(w, "initialize")
         self.theta_table = np.array(theta_all, dtype=np.float64)
-        self.mu = self.block.rmatvec(self.theta_table) / self.block.n_rows
+        self._set_mean_gradient(self.theta_table)
 
     def _theta_ref(self):
         return self.theta_table
