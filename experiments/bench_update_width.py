@@ -109,7 +109,8 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
             cells.append(spread(got))
         lines.append(f"| VFB²-{alg} | " + " | ".join(cells) + f" | {max(meds) / min(meds):.2f} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
-    plot(out, rows, widths, algorithms, lines[0])
+    plot(out, rows, widths, algorithms, f"whole vfl train jobs: q = {Q}, m = {meta['active']}, B = 1, "
+         f"{meta['rows']:,} rows, {meta['nnz']} nonzeros a row per block")
     print("\n".join(lines))
 
 
@@ -130,7 +131,7 @@ def plot(out: Path, rows: list[dict], widths: list[int], algorithms: list[str], 
     ax.set_xlabel("block width d_l (features per party)")
     ax.set_ylabel("ms per dominated update (dots: single jobs)")
     ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle(title.split(";")[0], fontsize=8)
+    fig.suptitle(title, fontsize=9)
     figure_legend(fig)
     check_labelled(fig)
     save(fig, out / "update_width.png")
