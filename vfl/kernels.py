@@ -277,6 +277,22 @@ def catch_up(wj, muj, g, gamma, lam, reg, has_mu, log_a, exact_gap):
     return wj
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _touch_row(indices, lo, hi, w, last, mu, has_mu) -> float:
+    """Load a row's (w_j, last_j, μ_j) in a tight loop of independent loads and return a throwaway
+    sum (so the loads are kept). At millions of columns each is a cache miss; here many are in flight
+    at once, where the catch-up loop's exp calls would fill the out-of-order window and serialise
+    them. A pure prefetch: the caller then reads the same values again, from cache, so what it
+    computes and when it writes (the lock-free window, docs/lazy-updates.md) do not change."""
+    sink = 0.0
+    for p in range(lo, hi):
+        j = indices[p]
+        sink += w[j] + last[j]
+        if has_mu:
+            sink += mu[j]
+    return sink
+
+
 @njit(nogil=True, cache=True)
 def lazy_apply(indptr, indices, data, w, rows, thetas, mode, theta_ref, mu, gamma, lam, reg, batch,
                last, counters, writer, log_a, exact_gap):
@@ -290,11 +306,13 @@ def lazy_apply(indptr, indices, data, w, rows, thetas, mode, theta_ref, mu, gamm
     counter += 1. ``theta_ref`` is ϑ_0 (SVRG), the ϑ table (SAGA-scalar) or unused (SGD).
     """
     has_mu = mode != MODE_SGD
+    sink = 0.0
     for s in range(rows.size // batch):
         target = clock(counters) + 1
         lo, hi = s * batch, (s + 1) * batch
         for k in range(lo, hi):
             i = rows[k]
+            sink += _touch_row(indices, indptr[i], indptr[i + 1], w, last, mu, has_mu)
             for p in range(indptr[i], indptr[i + 1]):
                 j = indices[p]
                 gap = target - last[j]
@@ -310,6 +328,7 @@ def lazy_apply(indptr, indices, data, w, rows, thetas, mode, theta_ref, mu, gamm
         if mode == MODE_SAGA_SCALAR:
             _saga_scalar_store(indptr, indices, data, rows, thetas, theta_ref, mu, lo, hi)
         counters[writer, 0] += 1
+    return sink
 
 
 @njit(nogil=True, cache=True)
@@ -318,14 +337,17 @@ def lazy_row_dots(indptr, indices, data, w, rows, out, mu, has_mu, gamma, lam, r
     """``out[k] = x_{rows[k]} · ŵ`` where ŵ_j is w_j caught up to the current clock: a pure read
     (nothing is written to ``w`` or ``last``), so a reading thread never races with the writers."""
     t = clock(counters)
+    sink = 0.0
     for k in range(rows.size):
         i = rows[k]
+        sink += _touch_row(indices, indptr[i], indptr[i + 1], w, last, mu, has_mu)
         acc = 0.0
         for p in range(indptr[i], indptr[i + 1]):
             j = indices[p]
             muj = mu[j] if has_mu else 0.0
             acc += data[p] * catch_up(w[j], muj, t - last[j], gamma, lam, reg, has_mu, log_a, exact_gap)
         out[k] = acc
+    return sink
 
 
 @njit(nogil=True, cache=True)
