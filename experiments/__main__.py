@@ -18,6 +18,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                            "secure aggregation vs a plain MPI Reduce (issue 3 benchmark)"),
     "psi": ("experiments.bench_psi", "vfl align PSI: time and bytes at 10k-1M ids (issue 17)"),
     "channels": ("experiments.bench_channels", "--secure-channels: seal/open cost, per-update time vs plain"),
+    "piggyback": ("experiments.bench_piggyback",
+                  "--piggyback vs plain dispatch: time per dominated update, with a serial run beside"),
     "compression": ("experiments.bench_compression", "compressor round-trip cost and payload sizes"),
     "update_cost": ("experiments.bench_update_cost", "time per update vs block width: lazy vs eager kernels"),
     "update_width": ("experiments.bench_update_width",

@@ -182,11 +182,12 @@ def gamma_for(dataset: str, algorithm: str, problem: str = "logistic", default: 
     return GAMMAS.get((dataset, algorithm), default)
 
 
-def job_config(dataset: str | None, problem: str, algorithm: str, gamma: float, *, f_star: float,
+def job_config(dataset: str | None, problem: str, algorithm: str, gamma: float, *, f_star: float | None,
                parties: int = 4, active: int = 2, lam: float = 1e-4, **options) -> RunConfig:
-    """A :class:`RunConfig` with the reproductions' defaults (λ = 1e-4, no progress bar, known f*)."""
+    """A :class:`RunConfig` with the reproductions' defaults (λ = 1e-4, no progress bar, known f*;
+    ``f_star=None``: no reference at all, the launcher does not solve for one)."""
     fields = dict(parties=parties, active=active, problem=problem, algorithm=algorithm, gamma=gamma,
-                  lam=lam, f_star=f_star, progress=False, **options)
+                  lam=lam, f_star=f_star, reference=f_star is not None, progress=False, **options)
     if dataset is not None:
         fields["dataset"] = dataset
     return RunConfig(**fields)

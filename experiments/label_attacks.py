@@ -37,7 +37,9 @@ from parties.runtime import (
     AUDIT_HE_GRADIENT,
     TAG_HE_BATCH,
     TAG_THETA,
+    TAG_THETA_REQUEST,
 )
+from protocols.dispatch import split_piggyback
 
 OUT = Path(__file__).resolve().parent / "results" / "label_attacks"
 
@@ -60,6 +62,12 @@ class Transcript:
     def of_tag(self, tag: int) -> list[np.ndarray]:
         return [m for m, t in zip(self.messages, self.tags, strict=True) if t == tag]
 
+    def theta_messages(self) -> list[np.ndarray]:
+        """Every (ϑ, i) message as float64 words, sent alone or inside a request (``--piggyback``)."""
+        return [words.view(np.float64) if tag == TAG_THETA else split_piggyback(int(source), words)[0]
+                for words, tag, source in zip(self.messages, self.tags, self.sources, strict=True)
+                if tag in (TAG_THETA, TAG_THETA_REQUEST)]
+
     def from_source(self, tag: int, source: int) -> list[np.ndarray]:
         return [m for m, t, s in zip(self.messages, self.tags, self.sources, strict=True)
                 if t == tag and s == source]
@@ -68,8 +76,7 @@ class Transcript:
 def theta_sign(t: Transcript, n_rows: int) -> np.ndarray:
     """Score −mean(ϑ) of each row from the dispatched (ϑ, i) pairs (``[seq, B, rows, ϑs]`` messages)."""
     total, count = np.zeros(n_rows), np.zeros(n_rows)
-    for words in t.of_tag(TAG_THETA):
-        buf = words.view(np.float64)
+    for buf in t.theta_messages():
         b = int(buf[1])
         rows, thetas = buf[2:2 + b].astype(np.int64), buf[2 + b:2 + 2 * b]
         np.add.at(total, rows, thetas)

@@ -52,6 +52,7 @@ class RunConfig:
     mode: str = "async"
     batch_size: int = 1
     inflight: int = 1
+    piggyback: bool = False
     updates: str = "auto"
     saga_table_budget: float = 2.0
     gamma: float = 0.05
@@ -81,6 +82,9 @@ class RunConfig:
     resume: bool = False
     progress: bool = True
     f_star: float | None = None
+    #: solve the NonF reference for f* before training (off: progress reports the loss, not f − f*;
+    #: for data with n ≪ d, where L-BFGS would run its whole budget)
+    reference: bool = True
     allow_two_parties: bool = False
     audit: bool = False
 
@@ -152,6 +156,10 @@ def validate(config: RunConfig) -> RunConfig:
     if c.inflight > 1 and c.mode != "async":
         raise ConfigError(f"--inflight {c.inflight} needs --mode async: a synchronous step waits for the "
                           "previous one")
+    if c.piggyback and (c.mode != "async" or c.label_privacy == "he"):
+        raise ConfigError("--piggyback needs --mode async and no --label-privacy he: a synchronous step "
+                          "waits for its acknowledgements before the next request goes out, and under he "
+                          "passive parties get ϑ encrypted in their own messages")
     if c.threads is not None and c.threads < 1:
         raise ConfigError(f"--threads must be at least 1 (got {c.threads})")
     if c.straggler is not None and not 0 <= c.straggler < c.parties:
@@ -165,6 +173,8 @@ def validate(config: RunConfig) -> RunConfig:
         raise ConfigError(f"--peer-timeout must be positive (got {c.peer_timeout})")
     if c.apply_delay_ms < 0:
         raise ConfigError(f"--apply-delay-ms must be non-negative (got {c.apply_delay_ms})")
+    if c.target_suboptimality is not None and not c.reference and c.f_star is None:
+        raise ConfigError("--target-suboptimality needs f*: drop --no-reference or give --f-star")
     if c.target_suboptimality is not None and c.target_suboptimality <= 0:
         raise ConfigError("--target-suboptimality must be positive")
     if c.time_limit is not None and c.time_limit <= 0:
@@ -392,6 +402,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="largest n × d_l table exact SAGA may allocate per party (else use saga-scalar)")
     p.add_argument("-P", "--inflight", type=int, default=d.inflight,
                    help="aggregation requests a dominator keeps outstanding (async mode)")
+    p.add_argument("--piggyback", action="store_true",
+                   help="send each step's (ϑ, i) inside the next step's aggregation request: 3(q − 1) "
+                        "messages per update instead of 4(q − 1); the broadcast waits for the next request "
+                        "(async mode)")
     p.add_argument("--gamma", type=float, default=d.gamma, help="learning rate γ")
     p.add_argument("--epochs", type=float, default=d.epochs, help="stop after this many passes over the data")
     p.add_argument("--target-suboptimality", type=float, default=None,
@@ -436,6 +450,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="continue from the newest complete checkpoint in --out (default: runs/latest)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--f-star", type=float, default=None, help="known optimum f* (skips the NonF solve)")
+    p.add_argument("--no-reference", dest="reference", action="store_false",
+                   help="skip the NonF solve for f* (progress shows the loss instead of f − f*)")
     p.add_argument("--allow-two-parties", action="store_true",
                    help="accept q = 2, where the aggregate reveals the other party's partial products")
     p.add_argument("--audit", action="store_true",

@@ -96,7 +96,8 @@ def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None, echo: 
     config.out = str(out)
     if config.resume:
         complete_epochs(out)  # a missing or damaged checkpoint is a usage error, found before mpiexec
-    if config.f_star is None and config.party_files is None and config.label_privacy == "none":
+    if (config.reference and config.f_star is None and config.party_files is None
+            and config.label_privacy == "none"):
         config.f_star = reference_f_star(config)
     try:
         out.mkdir(parents=True, exist_ok=True)

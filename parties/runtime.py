@@ -35,10 +35,10 @@ from mpi4py import MPI
 
 from parties.outcomes import EXIT_CODES, STOP_LINE
 from protocols import label_he
-from protocols.aggregation import AggregationNode, Completed, Requested
+from protocols.aggregation import HEADER_WORDS, AggregationNode, Completed, Kind, Requested
 from protocols.channels import OVERHEAD_WORDS, ChannelKeys, SecureChannels
 from protocols.delay import DelayedDelivery
-from protocols.dispatch import Inbox, pack
+from protocols.dispatch import Inbox, pack, piggyback, split_piggyback
 from protocols.errors import ProtocolViolation
 from protocols.masking import AggregationOverflowError
 from protocols.secure_aggregation import SecureAggregator
@@ -48,6 +48,9 @@ from vfl.algorithms.vfb2 import Block, UpdateRule
 from vfl.problems import Problem
 
 TAG_THETA = 0x7E7A
+#: --piggyback: step t's (ϑ, i) message and step t + 1's aggregation request in one buffer
+#: (protocols/dispatch.py, ``piggyback``)
+TAG_THETA_REQUEST = 0x7E7B
 TAG_ACK = 0xAC4
 TAG_STOP = 0x5709
 TAG_DONE = 0xD0E
@@ -155,9 +158,9 @@ class PartyRuntime:
 
     def __init__(self, comm: MPI.Comm, party: PartyState, *, active_ranks: list[int], threads: int,
                  seed: int, mode: str = "async", dispatch: bool = True, batch_size: int = 1,
-                 inflight: int = 1, straggler: int | None = None, slowdown: float = 0.0,
-                 apply_delay: float = 0.0, peer_timeout: float = 30.0, link_delay: float = 0.0,
-                 link_jitter: float = 0.0, keys: ChannelKeys | None = None,
+                 inflight: int = 1, piggyback: bool = False, straggler: int | None = None,
+                 slowdown: float = 0.0, apply_delay: float = 0.0, peer_timeout: float = 30.0,
+                 link_delay: float = 0.0, link_jitter: float = 0.0, keys: ChannelKeys | None = None,
                  allow_two_parties: bool = False, audit: bool = False, label_privacy: str = "none",
                  he_scheme: str = "ou", he_key_bits: int = 2048) -> None:
         writers = getattr(party.rule, "writers", threads + 1)
@@ -174,6 +177,12 @@ class PartyRuntime:
         self.dispatch = dispatch
         self.batch_size = batch_size
         self.inflight = 1 if self.synchronous else inflight
+        if piggyback and (self.synchronous or label_privacy == "he"):
+            raise ValueError("piggybacking needs the asynchronous mode without --label-privacy he: a "
+                             "synchronous step waits for its acknowledgements before the next request, "
+                             "and passive parties get ϑ encrypted")
+        #: hold each step's (ϑ, i) back and send it inside the next step's request (one message fewer)
+        self.piggyback = piggyback and dispatch
         #: sync-global: the dominators' own communicator, on which they agree to take each step together
         self.lockstep = (comm.Split(0 if self.rank in active_ranks else MPI.UNDEFINED)
                          if mode == "sync-global" else None)
@@ -201,6 +210,8 @@ class PartyRuntime:
         #: --label-privacy he: passive parties get ϑ only encrypted under the dominator's key
         self.he = label_privacy == "he"
         self.max_words = MAX_MESSAGE_WORDS
+        if self.piggyback:  # a (ϑ, i) message of B rows and a request for B rows, behind a length word
+            self.max_words = max(self.max_words, 1 + (2 + 2 * batch_size) + (HEADER_WORDS + batch_size))
         if self.he:
             self._setup_he(he_scheme, he_key_bits)
         self.applied = np.zeros(self.q, dtype=np.int64)
@@ -309,8 +320,13 @@ class PartyRuntime:
         if tag == AGGREGATION_TAG:
             self._on_aggregation(source, msg.copy())
         elif tag == TAG_THETA:
-            rows, thetas = self.inbox.unpack(source, msg.view(np.float64), self.party.block.n_rows)
-            self.queues[self.active_ranks.index(source) % len(self.queues)].put((source, rows, thetas))
+            self._on_theta(source, msg.view(np.float64))
+        elif tag == TAG_THETA_REQUEST:  # ϑ first: the request's products may then already include it
+            theta, request = split_piggyback(source, msg)
+            if request.size < HEADER_WORDS or int(request[0]) != Kind.REQUEST:
+                raise ProtocolViolation(source, "piggybacked request", "is not an aggregation REQUEST")
+            self._on_theta(source, theta)
+            self._on_aggregation(source, request.copy())
         elif tag == TAG_DONE:
             count = self.inbox.done(source, msg.view(np.int64))
             with self.applied_cond:
@@ -329,6 +345,11 @@ class PartyRuntime:
         elif tag == TAG_HE_DECRYPTED:
             self._he_replies[source].put(msg.copy())
         # TAG_HEARTBEAT: being heard from is all it says
+
+    def _on_theta(self, source: int, message: np.ndarray) -> None:
+        """A dominator's (ϑ, i) broadcast: validated (protocols/dispatch.py), then to its worker."""
+        rows, thetas = self.inbox.unpack(source, message, self.party.block.n_rows)
+        self.queues[self.active_ranks.index(source) % len(self.queues)].put((source, rows, thetas))
 
     def _heartbeat_loop(self) -> None:
         """Liveness: tell every other party this one is alive, and end the job when one has been
@@ -493,13 +514,22 @@ class PartyRuntime:
         """ŵ·x_i for ``rows`` by Algorithm 1 rooted at this party (blocks only on this result)."""
         return self.request(rows).get()
 
-    def request(self, rows: np.ndarray) -> queue.SimpleQueue[np.ndarray]:
-        """Start Algorithm 1 for ``rows`` rooted here; the scores arrive in the returned slot."""
+    def request(self, rows: np.ndarray, theta: np.ndarray | None = None) -> queue.SimpleQueue[np.ndarray]:
+        """Start Algorithm 1 for ``rows`` rooted here; the scores arrive in the returned slot.
+
+        ``theta``, a held (ϑ, i) message (``--piggyback``), rides along with the announcements.
+        """
         slot: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
         with self.node_lock:
             rid, announcements = self.node.announce(rows)
             self.results[rid] = slot
-        self._send_all(announcements)
+        if theta is None:
+            self._send_all(announcements)
+        else:
+            for message in announcements:
+                self.sender.send(piggyback(theta, message.buffer), message.dest, TAG_THETA_REQUEST)
+            announced = {message.dest for message in announcements}
+            self._broadcast_theta(theta, [r for r in range(self.q) if r != self.rank and r not in announced])
         started = time.perf_counter()
         values = self.party.rule.products(self.party.w, rows)
         with self.node_lock:
@@ -520,7 +550,8 @@ class PartyRuntime:
         updates of this dominator's ``inflight − 1`` previous steps, so the bounded delay τ of the
         analysis grows by ``inflight − 1`` per dominator. The synchronous modes keep one step in flight
         and wait for every collaborator's acknowledgement; ``sync-global`` also makes all dominators
-        take each step together.
+        take each step together. With ``piggyback`` each step's (ϑ, i) waits for the next request and
+        rides inside it (docs/runtime.md); when no request follows it goes alone at once.
         """
         party = self.party
         assert party.problem is not None and party.y is not None
@@ -529,10 +560,15 @@ class PartyRuntime:
         pending: collections.deque[tuple[np.ndarray, queue.SimpleQueue[np.ndarray]]] = collections.deque()
         issued = done = 0
         acked = 0
+        held: np.ndarray | None = None  # --piggyback: the last step's (ϑ, i), waiting for a request
         while done < n_steps:
             while issued < n_steps and len(pending) < self.inflight and self._may_start(issued, deadline):
-                pending.append((rows[issued], self.request(rows[issued])))
+                pending.append((rows[issued], self.request(rows[issued], held)))
+                held = None
                 issued += 1
+            if held is not None:  # no request to ride on: it goes alone, now
+                self._broadcast_theta(held, others)
+                held = None
             if not pending:
                 break
             step_rows, slot = pending.popleft()
@@ -546,11 +582,14 @@ class PartyRuntime:
                 sealed = (self._encrypt_batch(step_rows, party.rule.summed_values(step_rows, thetas))
                           if self.he and len(self.active_ranks) < self.q else None)
                 self.sent += 1
-                for dest in others:
-                    if sealed is not None and dest not in self.active_ranks:
-                        self.sender.send(sealed, dest, TAG_HE_BATCH)
-                    else:
-                        self.sender.send(buf, dest, TAG_THETA)
+                if self.piggyback:
+                    held = buf
+                else:
+                    for dest in others:
+                        if sealed is not None and dest not in self.active_ranks:
+                            self.sender.send(sealed, dest, TAG_HE_BATCH)
+                        else:
+                            self.sender.send(buf, dest, TAG_THETA)
             started = time.perf_counter()
             party.rule.apply(party.w, step_rows, thetas, writer=0)
             self._straggle(started)
@@ -559,7 +598,13 @@ class PartyRuntime:
                     self.acks.get()
                     acked += 1
             done += 1
+        if held is not None:
+            self._broadcast_theta(held, others)
         return done
+
+    def _broadcast_theta(self, message: np.ndarray, dests: list[int]) -> None:
+        for dest in dests:
+            self.sender.send(message, dest, TAG_THETA)
 
     def _may_start(self, step: int, deadline: float | None) -> bool:
         """Whether to start another step: within the time budget, and under ``sync-global`` only when
@@ -780,6 +825,9 @@ def check_envelope(source: int, tag: int, nbytes: int, *, rank: int, active_rank
         what, allowed, words = "aggregation message", source != rank, None
     elif tag == TAG_THETA:
         what, allowed, words = "(ϑ, i) message", source != rank and source in active_ranks, None
+    elif tag == TAG_THETA_REQUEST:
+        what = "piggybacked (ϑ, i) message"
+        allowed, words = source != rank and source in active_ranks and not synchronous and not he, None
     elif tag == TAG_DONE:
         what, allowed, words = "DONE message", source != rank and source in active_ranks, 1
     elif tag == TAG_ACK:

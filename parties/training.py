@@ -55,7 +55,7 @@ def train(comm: MPI.Comm, party: PartyState, config: RunConfig) -> TrainResult:
     runtime = PartyRuntime(
         comm, party, active_ranks=list(range(config.active)), threads=config.worker_threads,
         seed=config.seed, mode=config.mode, dispatch=algorithm.dispatch, batch_size=config.batch_size,
-        inflight=config.inflight,
+        inflight=config.inflight, piggyback=config.piggyback,
         straggler=config.straggler, slowdown=config.slowdown, apply_delay=config.apply_delay_ms / 1e3,
         peer_timeout=config.peer_timeout, link_delay=config.link_delay_ms / 1e3,
         link_jitter=config.link_jitter_ms / 1e3, keys=channel_keys(config, comm.Get_rank()),

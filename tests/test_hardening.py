@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from parties.runtime import TAG_ACK, TAG_DONE, TAG_STOP, TAG_THETA, check_envelope
-from protocols.aggregation import MAX_OPEN_PER_ROOT, AggregationNode, Kind
-from protocols.dispatch import DispatchError, Inbox, pack
+from parties.runtime import TAG_ACK, TAG_DONE, TAG_STOP, TAG_THETA, TAG_THETA_REQUEST, check_envelope
+from protocols.aggregation import HEADER_WORDS, MAX_OPEN_PER_ROOT, AggregationNode, Kind
+from protocols.dispatch import DispatchError, Inbox, pack, piggyback, split_piggyback
 from protocols.errors import ProtocolViolation
 from protocols.transport import AGGREGATION_TAG, MpiTransport
 from protocols.trees import build_all_tree_pairs
@@ -147,6 +147,7 @@ def test_done_counts_are_non_negative_non_decreasing_and_at_most_what_arrived() 
     (1, TAG_DONE, 16, "DONE message: 2 words, expected 1"),
     (1, TAG_THETA, 12, "(ϑ, i) message: 12 bytes is not a whole"),
     (1, AGGREGATION_TAG, 0, "aggregation message: 0 bytes"),
+    (2, TAG_THETA_REQUEST, 80, "piggybacked (ϑ, i) message: party 2 may not send it"),  # a passive party
 ])
 def test_the_runtime_envelope_check(source: int, tag: int, nbytes: int, detail: str) -> None:
     with pytest.raises(ProtocolViolation, match=f"^party {source} sent an invalid " + re.escape(detail)):
@@ -158,6 +159,33 @@ def test_the_runtime_envelope_check_lets_the_protocol_through() -> None:
     for source, tag, nbytes in allowed:
         check_envelope(source, tag, nbytes, rank=0, active_ranks=[0, 1], synchronous=False)
     check_envelope(2, TAG_ACK, 8, rank=0, active_ranks=[0, 1], synchronous=True)
+    check_envelope(1, TAG_THETA_REQUEST, 80, rank=0, active_ranks=[0, 1], synchronous=False)
+    for synchronous, he in ((True, False), (False, True)):  # modes that never piggyback
+        with pytest.raises(ProtocolViolation, match="party 1 may not send it"):
+            check_envelope(1, TAG_THETA_REQUEST, 80, rank=0, active_ranks=[0, 1], synchronous=synchronous,
+                           he=he)
+
+
+def test_a_piggybacked_message_splits_back_into_its_two_parts() -> None:
+    theta = pack(0, np.array([3, 5]), np.array([0.25, -0.5]))
+    request = np.arange(HEADER_WORDS + 2, dtype=np.uint64)
+    got_theta, got_request = split_piggyback(1, piggyback(theta, request))
+    assert np.array_equal(got_theta, theta) and got_theta.dtype == np.float64
+    assert np.array_equal(got_request, request)
+    rows, thetas = Inbox(2, n_rows=10).unpack(1, got_theta)  # and it is validated like any other
+    assert rows.tolist() == [3, 5] and thetas.tolist() == [0.25, -0.5]
+
+
+@pytest.mark.parametrize(("words", "detail"), [
+    (np.zeros(0, np.uint64), "is empty"),
+    (np.array([3, 0, 0, 0, 1, 2], np.uint64), "announces 3 words"),  # below one (ϑ, i) message
+    (np.array([5, 0, 0, 0, 0, 0], np.uint64), "announces 5 words of (ϑ, i) in a message of 6"),  # no request
+    (np.array([2**63, 0, 0, 0, 0, 9, 9], np.uint64), "announces 9223372036854775808 words"),
+])
+def test_a_piggyback_length_word_that_does_not_fit_is_refused_naming_the_sender(words, detail) -> None:
+    with pytest.raises(DispatchError, match=r"^party 3 sent an invalid piggybacked \(ϑ, i\) message: "
+                                            + re.escape(detail)):
+        split_piggyback(3, words)
 
 
 # ------------------------------------------------------------------------------ aggregation messages

@@ -44,6 +44,17 @@ def test_a_passive_party_recovers_the_labels_of_plain_vfb2(plain_svrg):
     assert np.isnan(attack_all(plain_svrg / "audit-0.npz", y)["theta_sign"]["accuracy"])
 
 
+def test_piggybacked_thetas_leak_the_labels_the_same_way(tmp_path):
+    """--piggyback changes how ϑ travels, not what a passive party learns: the sign attack reads it
+    out of the requests (an attack that looked only at plain (ϑ, i) messages would see nothing)."""
+    train(tmp_path, "-n", "3", "-m", "1", "--algorithm", "sgd", "--epochs", "1", "--piggyback", "--audit",
+          *CANCER)
+    y = load("breast-cancer", seed=0).y_train
+    assert len(Transcript.load(tmp_path / "audit-1.npz").of_tag(TAG_THETA)) <= 1
+    found = attack_all(tmp_path / "audit-1.npz", y)
+    assert found["theta_sign"]["coverage"] > 0.5 and found["theta_sign"]["accuracy"] == 1.0
+
+
 def test_the_experiment_leaves_no_run_folder_behind(tmp_path, monkeypatch):
     """Its runs' folders (checkpoints, transcripts) are scratch: only the results stay, in --out."""
     scratch = tmp_path / "scratch"

@@ -125,3 +125,22 @@ def test_horizontal_fl_without_torch_says_how_to_install_it(monkeypatch, capsys)
                         lambda name, *a: None if name == "torch" else real(name, *a))
     assert cli.main(["hfl-train", "--algorithm", "fedavg"]) == 2
     assert "pip install torch==2.13.0" in capsys.readouterr().err
+
+
+def test_no_reference_skips_the_nonf_solve_and_reports_the_loss(tmp_path, monkeypatch):
+    import parties.launch
+
+    def refuse(config):
+        raise AssertionError("the NonF reference was solved despite --no-reference")
+
+    monkeypatch.setattr(parties.launch, "reference_f_star", refuse)
+    from parties.config import RunConfig
+
+    config = RunConfig(parties=3, active=1, dataset="breast-cancer", epochs=1, reference=False,
+                       progress=False, out=str(tmp_path / "run"))
+    assert parties.launch.launch(config, echo=False) == 0
+    last = metrics(tmp_path / "run")[-1]
+    assert "loss" in last and "suboptimality" not in last
+    proc = train(tmp_path / "refused", *SMALL, "--no-reference", "--target-suboptimality", "1e-3",
+                 check=False)
+    assert proc.returncode == 2 and "--target-suboptimality needs f*" in proc.stderr
