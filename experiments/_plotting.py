@@ -69,3 +69,21 @@ def save(fig: Any, path: Any, dpi: int = 110) -> None:
     check_labelled(fig)
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
+
+
+def repetitions_figure(path: Any, series: Mapping[str, tuple[str, list[float]]], *, title: str,
+                       ylabel: str = "ms per dominated update",
+                       reference: tuple[str, str, float] | None = None) -> None:
+    """One value per repetition of variants that were run alternately (name -> (colour, values)),
+    with an optional horizontal ``(label, colour, value)`` line: the A/B benchmarks' figure."""
+    fig, ax = pyplot().subplots(figsize=(5.5, 3.8), layout="constrained")
+    for name, (colour, values) in series.items():
+        ax.plot(range(1, len(values) + 1), values, "o-", color=colour, label=name)
+    if reference is not None:
+        label, colour, value = reference
+        ax.axhline(value, color=colour, ls=":", label=label)
+    repeats = max((len(values) for _, values in series.values()), default=0)
+    ax.set(xlabel="repetition (variants alternate)", ylabel=ylabel, title=title, xticks=range(1, repeats + 1))
+    ax.set_ylim(bottom=0)
+    figure_legend(fig)
+    save(fig, path, dpi=120)

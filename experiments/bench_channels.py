@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments._machine import cpu_model
+from experiments._plotting import repetitions_figure
 from experiments._vfb2_runner import run_job
 from parties.config import RunConfig
 
@@ -88,11 +89,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def write(summary: dict, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(summary, indent=1) + "\n")
     ms = summary["ms_per_update"]
@@ -107,14 +103,6 @@ def write(summary: dict, out: Path) -> None:
              "", "| message size (words) | seal + open, CPU µs |", "|---|---|"]
     lines += [f"| {w} | {v:.2f} |" for w, v in summary["seal_open_cpu_us"].items()]
     (out / "table.md").write_text("\n".join(lines) + "\n")
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for variant, values in ms.items():
-        ax.plot(range(1, len(values) + 1), values, "o-", color=COLOURS[variant], label=variant)
-    ax.set_xlabel("repetition (plain and sealed alternate)")
-    ax.set_ylabel("ms per dominated update")
-    ax.set_ylim(bottom=0)
-    ax.legend()
-    ax.set_title(f"--secure-channels on {summary['dataset']}, q = {summary['parties']}")
-    fig.tight_layout()
-    fig.savefig(out / "per_update.png", dpi=120)
+    repetitions_figure(out / "per_update.png", {name: (COLOURS[name], values) for name, values in ms.items()},
+                       title=f"--secure-channels on {summary['dataset']}, q = {summary['parties']}")
     print("\n".join(lines))

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments._machine import cpu_model
+from experiments._plotting import repetitions_figure
 from experiments._vfb2_runner import run_job
 from parties.config import RunConfig
 from vfl.algorithms.serial import run_serial
@@ -98,11 +99,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def write(summary: dict, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(summary, indent=1) + "\n")
     ms, serial = summary["ms_per_update"], summary["serial_ms_per_update"]
@@ -117,16 +113,9 @@ def write(summary: dict, out: Path) -> None:
               f"piggyback / plain, per repetition: {summary['median_ratio']:.2f} at the median "
               f"({min(summary['piggyback_over_plain']):.2f}–{max(summary['piggyback_over_plain']):.2f})"]
     (out / "table.md").write_text("\n".join(lines) + "\n")
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    for name, values in ms.items():
-        ax.plot(range(1, len(values) + 1), values, "o-", color=VARIANTS[name][0], label=name)
-    ax.axhline(serial, color=SERIAL_COLOUR, ls=":", label="serial (one process)")
-    ax.set_xlabel("repetition (variants alternate)")
-    ax.set_ylabel("ms per dominated update")
-    ax.set_ylim(bottom=0)
-    ax.legend()
-    ax.set_title(f"--piggyback on {summary['dataset']}, q = {summary['parties']}, "
-                 f"B = {summary['batch_size']}")
-    fig.tight_layout()
-    fig.savefig(out / "per_update.png", dpi=120)
+    series = {name: (VARIANTS[name][0], values) for name, values in ms.items()}
+    repetitions_figure(out / "per_update.png", series,
+                       title=f"--piggyback on {summary['dataset']}, q = {summary['parties']}, "
+                             f"B = {summary['batch_size']}",
+                       reference=("serial (one process)", SERIAL_COLOUR, serial))
     print("\n".join(lines))

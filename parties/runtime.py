@@ -18,7 +18,9 @@ Threads of a rank:
   and, on active parties, the dominated loop between them (:meth:`PartyRuntime.dominate`: sample
   rows, obtain ŵ·x by Algorithm 1 rooted here, compute ϑ, broadcast (ϑ, i), update its own block).
 
-Sends may come from any thread (``MPI_THREAD_MULTIPLE``); every send is non-blocking.
+Every data-plane message goes through one :class:`~protocols.transport.MpiTransport` (the secure
+aggregation's full passes use the same class on the control communicator): sends may come from any
+thread (``MPI_THREAD_MULTIPLE``), never block, and are sealed there with ``--secure-channels``.
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ from mpi4py import MPI
 from parties.outcomes import EXIT_CODES, STOP_LINE
 from protocols import label_he
 from protocols.aggregation import HEADER_WORDS, AggregationNode, Completed, Kind, Requested
-from protocols.channels import OVERHEAD_WORDS, ChannelKeys, SecureChannels
+from protocols.channels import OVERHEAD_WORDS, ChannelKeys
 from protocols.delay import DelayedDelivery
 from protocols.dispatch import Inbox, pack, piggyback, split_piggyback
 from protocols.errors import ProtocolViolation
 from protocols.masking import AggregationOverflowError
 from protocols.secure_aggregation import SecureAggregator
-from protocols.transport import AGGREGATION_TAG, RecordingTransport
+from protocols.transport import AGGREGATION_TAG, MpiTransport, RecordingTransport
 from protocols.trees import build_all_tree_pairs
 from vfl.algorithms.vfb2 import Block, UpdateRule
 from vfl.problems import Problem
@@ -80,6 +82,13 @@ AUDIT_HE_GRADIENT = 0x1C4E6
 AUDIT_HE_FULL_GRADIENT = 0x1C4E7
 AUDIT_LABELS = (AUDIT_CTRL_AGGREGATION, AUDIT_FULL_THETA, AUDIT_CONTROL_WORD, AUDIT_HE_KEY, AUDIT_HE_GRADIENT,
                 AUDIT_HE_FULL_GRADIENT)
+#: What each data-plane tag carries, as error messages name it ("party 2 sent an invalid <kind>: ...").
+MESSAGE_KINDS = {
+    AGGREGATION_TAG: "aggregation message", TAG_THETA: "(ϑ, i) message",
+    TAG_THETA_REQUEST: "piggybacked (ϑ, i) message", TAG_DONE: "DONE message", TAG_ACK: "ACK message",
+    TAG_STOP: "STOP message", TAG_HEARTBEAT: "heartbeat", TAG_HE_BATCH: "encrypted batch",
+    TAG_HE_DECRYPTED: "decrypted gradient", TAG_HE_MASKED: "masked gradient",
+}
 #: Largest message on the data communicator (the hot path sends B = 1 messages of a few words; the
 #: batched full passes use the collective library call on a separate communicator).
 MAX_MESSAGE_WORDS = 1 << 13
@@ -120,37 +129,6 @@ def stop_job(comm: MPI.Comm, rank: int, outcome: str, reason: str) -> None:
 
 #: Why a job stops when a score cannot be aggregated.
 OUT_OF_RANGE = "the scores left the secure aggregation's range: the model diverged"
-
-
-class _Sender:
-    """Non-blocking buffer sends from any thread; keeps each buffer alive until its send completes."""
-
-    def __init__(self, comm: MPI.Comm, channels: SecureChannels | None = None) -> None:
-        self.comm = comm
-        self.channels = channels
-        self._rank = comm.Get_rank()
-        self._pending: list[tuple[MPI.Request, np.ndarray]] = []
-        self._lock = threading.Lock()
-
-    def send(self, buf: np.ndarray, dest: int, tag: int) -> None:
-        if self.channels is None or dest == self._rank:
-            req = self.comm.Isend(buf, dest, tag)
-            with self._lock:
-                self._track(req, buf)
-            return
-        with self._lock:  # sealed in send order: the receiver expects the link's next counter
-            sealed = self.channels.seal(dest, tag, buf)
-            self._track(self.comm.Isend(sealed, dest, tag), sealed)
-
-    def _track(self, req: MPI.Request, buf: np.ndarray) -> None:
-        self._pending.append((req, buf))
-        if len(self._pending) >= 64:
-            self._pending = [(r, b) for r, b in self._pending if not r.Test()]
-
-    def flush(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        MPI.Request.Waitall([r for r, _ in pending])
 
 
 class PartyRuntime:
@@ -194,7 +172,6 @@ class PartyRuntime:
         #: with keys, every message between parties is sealed (authenticated encryption), per plane
         self.channels = None if keys is None else keys.channels(self.rank, b"data")
         self._theta_channels = None if keys is None else keys.channels(self.rank, b"full-theta")
-        self.sender = _Sender(self.data, self.channels)
         pairs = build_all_tree_pairs(self.q, seed, allow_leaky_q2=allow_two_parties)
         self.node = AggregationNode(self.rank, self.q, pairs, allow_leaky_q2=allow_two_parties)
         self.node_lock = threading.Lock()
@@ -214,6 +191,11 @@ class PartyRuntime:
             self.max_words = max(self.max_words, 1 + (2 + 2 * batch_size) + (HEADER_WORDS + batch_size))
         if self.he:
             self._setup_he(he_scheme, he_key_bits)
+        #: every data-plane message, both ways (protocols/transport.py): sends from any thread, sealed
+        #: with channels; the communication thread is its one receiver
+        wire_words = self.max_words + (0 if self.channels is None else OVERHEAD_WORDS)
+        self.transport = MpiTransport(self.data, capacity_words=wire_words, max_message_words=wire_words,
+                                      channels=self.channels, kinds=MESSAGE_KINDS)
         self.applied = np.zeros(self.q, dtype=np.int64)
         self.applied_cond = threading.Condition()
         self.sent = 0
@@ -278,47 +260,30 @@ class PartyRuntime:
         return run
 
     def _comm_loop(self) -> None:
-        # One blocking Recv(ANY_SOURCE, ANY_TAG) into a reused buffer: with ranks outnumbering cores,
-        # Probe + Recv measured 1-8 ms per round trip here, a plain blocking Recv 20-35 µs.
+        # One blocking Recv(ANY_SOURCE, ANY_TAG) into a reused buffer (MpiTransport.recv_any): with ranks
+        # outnumbering cores, Probe + Recv measured 1-8 ms per round trip here, a plain Recv 20-35 µs.
         # Everything another party sends is validated here, before it can reach a kernel: the envelope
         # by check_envelope, the contents by Inbox (ϑ, i; DONE) and AggregationNode.receive (with this
         # party's n_rows for REQUEST indices). A bad message raises ProtocolViolation naming the sender,
         # and _guard ends the job with it.
-        raw = np.empty(self.max_words + (0 if self.channels is None else OVERHEAD_WORDS), dtype=np.uint64)
-        status = MPI.Status()
         while True:
-            try:
-                self.data.Recv([raw, MPI.BYTE], MPI.ANY_SOURCE, MPI.ANY_TAG, status)
-            except MPI.Exception as error:
-                if error.Get_error_class() != MPI.ERR_TRUNCATE:
-                    raise
-                raise ProtocolViolation(status.Get_source(), f"message (tag {status.Get_tag()})",
-                                        f"longer than {self.max_words} words, the largest message") \
-                    from None
-            source, tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
-            if self.channels is not None and source != self.rank:
-                if nbytes % 8:
-                    raise ProtocolViolation(source, "sealed message", f"{nbytes} bytes is not whole words")
-                opened = self.channels.open(source, tag, raw[:nbytes // 8])
-                nbytes = opened.size * 8
-                raw[:opened.size] = opened
-            check_envelope(source, tag, nbytes, rank=self.rank, active_ranks=self.active_ranks,
+            source, tag, msg = self.transport.recv_any()  # framing, sizes and seals checked there
+            check_envelope(source, tag, msg.nbytes, rank=self.rank, active_ranks=self.active_ranks,
                            synchronous=self.synchronous, he=self.he)
-            msg = raw[:nbytes // 8]
             self.last_heard[source] = time.monotonic()
             if self.transcript is not None:
                 self.transcript.append((source, tag, msg.copy()))
             if tag == TAG_STOP:
                 return
-            if self.link is not None:  # emulated latency: processed later, so keep a copy
-                self.link.submit(source, tag, msg.copy())
+            if self.link is not None:  # emulated latency: processed later
+                self.link.submit(source, tag, msg)
             else:
                 self._process(source, tag, msg)
 
     def _process(self, source: int, tag: int, msg: np.ndarray) -> None:
         """Act on one validated data-plane message (the communication or the link-delay thread)."""
         if tag == AGGREGATION_TAG:
-            self._on_aggregation(source, msg.copy())
+            self._on_aggregation(source, msg)
         elif tag == TAG_THETA:
             self._on_theta(source, msg.view(np.float64))
         elif tag == TAG_THETA_REQUEST:  # ϑ first: the request's products may then already include it
@@ -326,7 +291,7 @@ class PartyRuntime:
             if request.size < HEADER_WORDS or int(request[0]) != Kind.REQUEST:
                 raise ProtocolViolation(source, "piggybacked request", "is not an aggregation REQUEST")
             self._on_theta(source, theta)
-            self._on_aggregation(source, request.copy())
+            self._on_aggregation(source, request)
         elif tag == TAG_DONE:
             count = self.inbox.done(source, msg.view(np.int64))
             with self.applied_cond:
@@ -343,7 +308,7 @@ class PartyRuntime:
         elif tag == TAG_HE_MASKED:
             self._decrypt_for(source, msg)
         elif tag == TAG_HE_DECRYPTED:
-            self._he_replies[source].put(msg.copy())
+            self._he_replies[source].put(msg)
         # TAG_HEARTBEAT: being heard from is all it says
 
     def _on_theta(self, source: int, message: np.ndarray) -> None:
@@ -359,7 +324,7 @@ class PartyRuntime:
         others = [r for r in range(self.q) if r != self.rank]
         while not self._stopping.wait(min(self.peer_timeout / 4, 0.5)):
             for dest in others:
-                self.sender.send(beat, dest, TAG_HEARTBEAT)
+                self.transport.send(dest, beat, TAG_HEARTBEAT)
             now = time.monotonic()
             silent = max(others, key=lambda r: now - self.last_heard[r])
             gap = now - self.last_heard[silent]
@@ -418,7 +383,7 @@ class PartyRuntime:
                     self.applied_cond.notify_all()
                 if self.synchronous:
                     for source, _, _ in items:
-                        self.sender.send(np.zeros(1, np.uint64), source, TAG_ACK)
+                        self.transport.send(source, np.zeros(1, np.uint64), TAG_ACK)
             if stopping:
                 return
 
@@ -469,7 +434,8 @@ class PartyRuntime:
                                     f"expected ({self.sent} sent)")
         words = self._he_key.decrypt_masked(source, payload, self.batch_size)
         self._he_answered[source] = expected + 1
-        self.sender.send(np.concatenate([np.array([seq], dtype=np.uint64), words]), source, TAG_HE_DECRYPTED)
+        reply = np.concatenate([np.array([seq], dtype=np.uint64), words])
+        self.transport.send(source, reply, TAG_HE_DECRYPTED)
 
     def _he_worker_loop(self, inbox: queue.SimpleQueue, writer: int) -> None:
         """Passive party: for each encrypted batch, in order, its masked encrypted block gradient to the
@@ -479,7 +445,7 @@ class PartyRuntime:
             source, rows, payload, seq = item
             gradients = self._he_gradients[source]
             masked = gradients.masked(payload, rows)
-            self.sender.send(label_he.pack_bytes(seq, masked), source, TAG_HE_MASKED)
+            self.transport.send(source, label_he.pack_bytes(seq, masked), TAG_HE_MASKED)
             reply = self._he_replies[source].get()
             if reply.size < 1 or int(reply[0]) != seq:
                 raise ProtocolViolation(source, "decrypted gradient", f"is not the answer for batch #{seq}")
@@ -494,7 +460,7 @@ class PartyRuntime:
                 self.applied[source] += 1
                 self.applied_cond.notify_all()
             if self.synchronous:
-                self.sender.send(np.zeros(1, np.uint64), source, TAG_ACK)
+                self.transport.send(source, np.zeros(1, np.uint64), TAG_ACK)
 
     # ------------------------------------------------------------------------------- dominated updates
 
@@ -508,7 +474,7 @@ class PartyRuntime:
 
     def _send_all(self, outgoing) -> None:
         for message in outgoing:
-            self.sender.send(message.buffer, message.dest, AGGREGATION_TAG)
+            self.transport.send(message.dest, message.buffer, AGGREGATION_TAG)
 
     def aggregate(self, rows: np.ndarray) -> np.ndarray:
         """ŵ·x_i for ``rows`` by Algorithm 1 rooted at this party (blocks only on this result)."""
@@ -527,7 +493,7 @@ class PartyRuntime:
             self._send_all(announcements)
         else:
             for message in announcements:
-                self.sender.send(piggyback(theta, message.buffer), message.dest, TAG_THETA_REQUEST)
+                self.transport.send(message.dest, piggyback(theta, message.buffer), TAG_THETA_REQUEST)
             announced = {message.dest for message in announcements}
             self._broadcast_theta(theta, [r for r in range(self.q) if r != self.rank and r not in announced])
         started = time.perf_counter()
@@ -587,9 +553,9 @@ class PartyRuntime:
                 else:
                     for dest in others:
                         if sealed is not None and dest not in self.active_ranks:
-                            self.sender.send(sealed, dest, TAG_HE_BATCH)
+                            self.transport.send(dest, sealed, TAG_HE_BATCH)
                         else:
-                            self.sender.send(buf, dest, TAG_THETA)
+                            self.transport.send(dest, buf, TAG_THETA)
             started = time.perf_counter()
             party.rule.apply(party.w, step_rows, thetas, writer=0)
             self._straggle(started)
@@ -604,7 +570,7 @@ class PartyRuntime:
 
     def _broadcast_theta(self, message: np.ndarray, dests: list[int]) -> None:
         for dest in dests:
-            self.sender.send(message, dest, TAG_THETA)
+            self.transport.send(dest, message, TAG_THETA)
 
     def _may_start(self, step: int, deadline: float | None) -> bool:
         """Whether to start another step: within the time budget, and under ``sync-global`` only when
@@ -625,7 +591,7 @@ class PartyRuntime:
         buf = np.array([self.sent], dtype=np.int64)
         for dest in range(self.q):
             if dest != self.rank:
-                self.sender.send(buf, dest, TAG_DONE)
+                self.transport.send(dest, buf, TAG_DONE)
 
     def drain(self) -> None:
         """Global barrier: every dominator has finished the segment and every (ϑ, i) it sent has been
@@ -637,7 +603,7 @@ class PartyRuntime:
             self.applied_cond.wait_for(lambda: all(
                 self.done_segments[r] >= self.segment and self.applied[r] >= self.done_sent[r]
                 for r in others))
-        self.sender.flush()
+        self.transport.flush()
         self.ctrl.Barrier()
         self.party.rule.synchronize(self.party.w)  # nothing writes now: bring every coordinate up to date
 
@@ -803,12 +769,12 @@ class PartyRuntime:
         self._heartbeat.join()
         for qu in self.queues:
             qu.put(None)
-        self.data.Send(np.zeros(1, np.uint64), self.rank, TAG_STOP)
+        self.transport.send(self.rank, np.zeros(1, np.uint64), TAG_STOP)
         for t in self._threads:
             t.join()
         if self.link is not None:
             self.link.close()
-        self.sender.flush()
+        self.transport.flush()
         self.aggregator.close()
         self.ctrl.Barrier()
 
@@ -821,29 +787,27 @@ def check_envelope(source: int, tag: int, nbytes: int, *, rank: int, active_rank
     what they cannot: an unknown tag, a sender that may not send that kind (only dominators send ϑ and
     DONE, only this party itself sends STOP), and sizes that are not the kind's exact word count.
     """
+    what = MESSAGE_KINDS.get(tag)
+    if what is None:
+        raise ProtocolViolation(source, "message", f"unknown tag {tag:#x}")
     if tag == AGGREGATION_TAG:
-        what, allowed, words = "aggregation message", source != rank, None
+        allowed, words = source != rank, None
     elif tag == TAG_THETA:
-        what, allowed, words = "(ϑ, i) message", source != rank and source in active_ranks, None
+        allowed, words = source != rank and source in active_ranks, None
     elif tag == TAG_THETA_REQUEST:
-        what = "piggybacked (ϑ, i) message"
         allowed, words = source != rank and source in active_ranks and not synchronous and not he, None
     elif tag == TAG_DONE:
-        what, allowed, words = "DONE message", source != rank and source in active_ranks, 1
+        allowed, words = source != rank and source in active_ranks, 1
     elif tag == TAG_ACK:
-        what, allowed, words = "ACK message", source != rank and synchronous, 1
+        allowed, words = source != rank and synchronous, 1
     elif tag == TAG_STOP:
-        what, allowed, words = "STOP message", source == rank, 1
+        allowed, words = source == rank, 1
     elif tag == TAG_HEARTBEAT:
-        what, allowed, words = "heartbeat", source != rank, 1
+        allowed, words = source != rank, 1
     elif tag in (TAG_HE_BATCH, TAG_HE_DECRYPTED):  # dominator → passive party
-        what = "encrypted batch" if tag == TAG_HE_BATCH else "decrypted gradient"
         allowed, words = he and source in active_ranks and rank not in active_ranks, None
-    elif tag == TAG_HE_MASKED:  # passive party → dominator
-        what, words = "masked gradient", None
-        allowed = he and source not in active_ranks and rank in active_ranks
-    else:
-        raise ProtocolViolation(source, "message", f"unknown tag {tag:#x}")
+    else:  # TAG_HE_MASKED: passive party → dominator
+        allowed, words = he and source not in active_ranks and rank in active_ranks, None
     if not allowed:
         raise ProtocolViolation(source, what, f"party {source} may not send it to party {rank}")
     if nbytes <= 0 or nbytes % 8:

@@ -59,7 +59,7 @@ from protocols.aggregation import (
     Requested,
     Step,
 )
-from protocols.channels import OVERHEAD_WORDS, SealedTransport, SecureChannels
+from protocols.channels import OVERHEAD_WORDS, SecureChannels
 from protocols.errors import ProtocolViolation
 from protocols.masking import (
     AggregationOverflowError,
@@ -68,7 +68,7 @@ from protocols.masking import (
     RealValued,
     as_real_vector,
 )
-from protocols.transport import AGGREGATION_TAG, MpiTransport, Transport
+from protocols.transport import MpiTransport, Transport
 from protocols.trees import TreePair, build_all_tree_pairs
 
 __all__ = [
@@ -117,9 +117,7 @@ class SecureAggregator:
         own = comm.Dup()
         max_batch = options.get("max_batch", DEFAULT_MAX_BATCH)
         extra = 0 if channels is None else OVERHEAD_WORDS
-        transport: Transport = MpiTransport(own, max_message_words=HEADER_WORDS + max_batch + extra)
-        if channels is not None:
-            transport = SealedTransport(transport, channels, AGGREGATION_TAG)
+        transport = MpiTransport(own, max_message_words=HEADER_WORDS + max_batch + extra, channels=channels)
         aggregator = cls(transport, **options)
         aggregator._owned_comm = own
         return aggregator

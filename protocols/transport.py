@@ -1,6 +1,6 @@
-"""Thin message layers under the aggregation protocol: MPI (the real thing) and in-process threads.
+"""Thin message layers under the protocols: MPI (the real thing) and in-process threads.
 
-A transport moves whole ``uint64`` buffers (header + payload, see :mod:`protocols.aggregation`) between
+A transport moves whole-word buffers (header + payload, see :mod:`protocols.aggregation`) between
 ranks and knows nothing of their meaning:
 
 * ``send(dest, buffer)`` never blocks on the receiver (``Isend``); ownership of ``buffer`` passes to the
@@ -10,8 +10,17 @@ ranks and knows nothing of their meaning:
   ``(source, buffer)``; the caller owns ``buffer``.
 * ``flush()`` waits until every send issued so far has completed.
 
-:class:`MpiTransport` waits in one blocking ``Recv(ANY_SOURCE, tag)`` into a reused receive buffer of
-fixed capacity (64 KiB by default) and copies the message out. It never probes: with more ranks than
+:class:`MpiTransport` is the one MPI message layer of every party-to-party path: the secure
+aggregation's full passes (:class:`~protocols.secure_aggregation.SecureAggregator`) and the VFB²
+runtime's data plane (``parties/runtime.py``) both use it. It multiplexes tags: ``send(dest, buffer,
+tag)`` from any thread (a lock keeps sends, and sealed links' counters, in one order), ``recv()`` for
+its own ``tag`` and ``recv_any()`` for every tag, which the runtime's one communication thread uses to
+serve all its message kinds. With ``channels`` (:class:`~protocols.channels.SecureChannels`) every
+message to another party is sealed (authenticated encryption) and every one from another party opened
+before its words are returned; a message to itself travels as it is.
+
+The receiver waits in one blocking ``Recv(ANY_SOURCE, tag)`` (or ``ANY_TAG``) into a reused receive
+buffer of fixed capacity (64 KiB by default) and copies the message out. It never probes: with more ranks than
 cores, a thread waiting in ``Probe``/``Mprobe`` and then receiving measured 1-8 ms per round trip here, a
 plain blocking ``Recv`` tens of µs (the VFB² runtime's communication thread receives the same way,
 ``parties/runtime.py``). A message longer than the capacity goes as two: a 4-byte
@@ -28,8 +37,8 @@ message the protocol above can legitimately send (by default a header plus
 must then be exactly that long. An empty message, one that is not a whole number of words, an unframed
 one longer than the capacity, or a payload of the wrong size all raise
 :class:`~protocols.errors.ProtocolViolation` naming the sender. Messages up to the
-capacity travel as they are, one buffer each: that is all of the VFB² runtime's hot path, which sends and
-receives its few-word ``AGGREGATION_TAG`` messages itself. Other tags on the communicator are left alone.
+capacity travel as they are, one buffer each: that is all of the VFB² runtime's hot path, whose
+receive capacity is its largest message. With ``recv()``, other tags on the communicator are left alone.
 
 :class:`RecordingTransport` wraps any transport and keeps a copy of everything received: the transcript
 used to audit what each party saw.
@@ -39,8 +48,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -48,6 +57,9 @@ from mpi4py import MPI
 from protocols.aggregation import DEFAULT_MAX_BATCH, HEADER_WORDS
 from protocols.errors import ProtocolViolation
 from protocols.masking import Words
+
+if TYPE_CHECKING:
+    from protocols.channels import SecureChannels
 
 __all__ = [
     "AGGREGATION_TAG",
@@ -81,11 +93,13 @@ class Transport(Protocol):
 
 
 class MpiTransport:
-    """Buffer-based MPI messaging for the aggregation protocol over ``comm`` on ``tag`` and ``tag + 1``.
+    """Buffer-based MPI messaging over ``comm``: ``tag`` by default (``tag + 1`` carries framed
+    payloads), any tag on request.
 
     Messages up to ``capacity_words`` words are received into one reused buffer (see the module
-    docstring); longer ones are framed. Only one thread may call :meth:`recv`; :meth:`send` and
-    :meth:`flush` belong to the same thread.
+    docstring); longer ones are framed. Only one thread may receive (:meth:`recv` or
+    :meth:`recv_any`); :meth:`send` and :meth:`flush` may be called from any thread. ``channels`` seals
+    every message between parties.
     """
 
     DEFAULT_CAPACITY_WORDS = 1 << 13  # 64 KiB
@@ -95,7 +109,8 @@ class MpiTransport:
 
     def __init__(self, comm: MPI.Comm, tag: int = AGGREGATION_TAG, *,
                  capacity_words: int = DEFAULT_CAPACITY_WORDS,
-                 max_message_words: int = DEFAULT_MAX_MESSAGE_WORDS) -> None:
+                 max_message_words: int = DEFAULT_MAX_MESSAGE_WORDS,
+                 channels: SecureChannels | None = None, kinds: Mapping[int, str] | None = None) -> None:
         tag_limit = comm.Get_attr(MPI.TAG_UB)
         if not 0 <= tag < tag_limit:
             raise ValueError(f"tag must be in 0..{tag_limit - 1} (tag + 1 is used too), got {tag}")
@@ -107,10 +122,17 @@ class MpiTransport:
         self.tag = tag
         self.capacity_words = capacity_words
         self.max_message_words = max_message_words
+        self.channels = channels
+        #: what each tag carries, for error messages ("party 2 sent an invalid (ϑ, i) message: ...")
+        self.kinds = dict(kinds or {})
+        self._rank = comm.Get_rank()
         self._inbox = np.empty(capacity_words, dtype=np.uint64)
         self._inbox_spec = [self._inbox, MPI.BYTE]
         self._status = MPI.Status()
         self._in_flight: list[tuple[MPI.Request, np.ndarray]] = []
+        #: held while a message is sealed and handed to MPI: sends from several threads keep one
+        #: order per link, which sealed links' counters need
+        self.send_lock = threading.Lock()
 
     @property
     def rank(self) -> int:
@@ -120,55 +142,82 @@ class MpiTransport:
     def size(self) -> int:
         return self.comm.Get_size()
 
-    def send(self, dest: int, buffer: Words) -> None:
-        if buffer.size > self.capacity_words:
-            if buffer.size >= 1 << 32:
-                raise ValueError(f"a message of {buffer.size} words is too long to frame (at most 2**32 - 1)")
-            frame = np.array([buffer.size], dtype=np.uint32)
-            self._track(self.comm.Isend([frame, MPI.BYTE], dest=dest, tag=self.tag), frame)
-            self._track(self.comm.Isend([buffer, MPI.BYTE], dest=dest, tag=self.tag + 1), buffer)
-        else:
-            self._track(self.comm.Isend([buffer, MPI.BYTE], dest=dest, tag=self.tag), buffer)
+    def send(self, dest: int, buffer: np.ndarray, tag: int | None = None) -> None:
+        """Send ``buffer`` (whole words, any 8-byte dtype) to ``dest`` on ``tag`` (default: the
+        transport's), sealed when channels are on and ``dest`` is another party; never blocks."""
+        tag = self.tag if tag is None else tag
+        with self.send_lock:
+            if self.channels is not None and dest != self._rank:
+                buffer = self.channels.seal(dest, tag, buffer)
+            if buffer.size > self.capacity_words:
+                if buffer.size >= 1 << 32:
+                    raise ValueError(f"a message of {buffer.size} words is too long to frame (at most "
+                                     f"2**32 - 1)")
+                frame = np.array([buffer.size], dtype=np.uint32)
+                self._track(self.comm.Isend([frame, MPI.BYTE], dest=dest, tag=tag), frame)
+                self._track(self.comm.Isend([buffer, MPI.BYTE], dest=dest, tag=tag + 1), buffer)
+            else:
+                self._track(self.comm.Isend([buffer, MPI.BYTE], dest=dest, tag=tag), buffer)
 
     def recv(self) -> tuple[int, Words]:
-        """The next message: ``(source, words)``; a malformed one raises ``ProtocolViolation(source)``."""
+        """The next message on this transport's tag: ``(source, words)``; a malformed one raises
+        ``ProtocolViolation(source)``."""
+        source, _, words = self._next(self.tag)
+        return source, words
+
+    def recv_any(self) -> tuple[int, int, Words]:
+        """The next message on any tag: ``(source, tag, words)`` (a framed payload is collected from
+        ``tag + 1`` of its frame's tag)."""
+        return self._next(MPI.ANY_TAG)
+
+    def _next(self, tag: int) -> tuple[int, int, Words]:
         status = self._status
-        self._receive(self._inbox_spec, MPI.ANY_SOURCE, self.tag, status, "message")
-        source, nbytes = status.Get_source(), status.Get_count(MPI.BYTE)
+        self._receive(self._inbox_spec, MPI.ANY_SOURCE, tag, status)
+        source, tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+        what = self.kinds.get(tag, "message")
         if nbytes != self._FRAME_BYTES:
             if nbytes == 0 or nbytes % 8:
-                raise ProtocolViolation(source, "message", f"{nbytes} bytes is not a whole, non-zero number "
-                                                           f"of 8-byte words")
+                raise ProtocolViolation(source, what, f"{nbytes} bytes is not a whole, non-zero number of "
+                                                      f"8-byte words")
             if nbytes // 8 > self.max_message_words:
-                raise ProtocolViolation(source, "message", f"{nbytes // 8} words exceed the limit of "
-                                                           f"{self.max_message_words}")
-            return source, self._inbox[:nbytes // 8].copy()
+                raise ProtocolViolation(source, what, f"{nbytes // 8} words exceed the limit of "
+                                                      f"{self.max_message_words}")
+            return source, tag, self._open(source, tag, self._inbox[:nbytes // 8].copy())
         words = int(self._inbox.view(np.uint32)[0])
         if not self.capacity_words < words <= self.max_message_words:
             raise ProtocolViolation(source, "frame", f"announces {words} words; a framed message has "
                                                      f"more than {self.capacity_words} (else it is sent "
                                                      f"whole) and at most {self.max_message_words}")
         buffer = np.empty(words, dtype=np.uint64)
-        self._receive([buffer, MPI.BYTE], source, self.tag + 1, status, "framed payload")
+        self._receive([buffer, MPI.BYTE], source, tag + 1, status, "framed payload")
         if status.Get_count(MPI.BYTE) != buffer.nbytes:
             raise ProtocolViolation(source, "framed payload", f"{status.Get_count(MPI.BYTE)} bytes where its "
                                                               f"frame announced {buffer.nbytes}")
-        return source, buffer
+        return source, tag, self._open(source, tag, buffer)
 
-    def _receive(self, spec: list, source: int, tag: int, status: MPI.Status, what: str) -> None:
+    def _open(self, source: int, tag: int, words: Words) -> Words:
+        if self.channels is None or source == self._rank:
+            return words
+        return self.channels.open(source, tag, words)
+
+    def _receive(self, spec: list, source: int, tag: int, status: MPI.Status, what: str | None = None
+                 ) -> None:
         """A blocking ``Recv``; a message longer than the buffer is the sender's fault, and says so."""
         try:
             self.comm.Recv(spec, source, tag, status)
         except MPI.Exception as error:
             if error.Get_error_class() != MPI.ERR_TRUNCATE:
                 raise
+            what = what or self.kinds.get(status.Get_tag(), "message")
             raise ProtocolViolation(status.Get_source(), what, f"longer than the {spec[0].nbytes} bytes "
                                                                f"expected") from None
 
     def flush(self) -> None:
-        if self._in_flight:
-            MPI.Request.Waitall([r for r, _ in self._in_flight])
-            self._in_flight.clear()
+        """Wait until every send issued so far has completed."""
+        with self.send_lock:
+            in_flight, self._in_flight = self._in_flight, []
+        if in_flight:
+            MPI.Request.Waitall([r for r, _ in in_flight])
 
     def _track(self, request: MPI.Request, buffer: np.ndarray) -> None:
         """Keep ``buffer`` alive until its send completes; drop completed sends now and then."""

@@ -342,3 +342,28 @@ def test_a_tampering_party_ends_the_job_with_its_name_not_a_crash(tmp_path: Path
     assert "NOT REJECTED" not in output
     assert "party 1 sent an invalid (ϑ, i) message: " in output and detail in output, output
     assert not marker.exists()
+
+
+def test_one_transport_multiplexes_tags_in_order_and_names_each_kind() -> None:
+    """The runtime's data plane and the secure sum share MpiTransport: ``recv_any`` returns every tag in
+    the order sent (long ones framed), ``recv`` only its own, and a malformed message is named by its
+    kind."""
+    comm = MPI.COMM_SELF.Dup()
+    transport = MpiTransport(comm, capacity_words=8, kinds={7: "(ϑ, i) message"})
+    try:
+        sent = [(7, np.arange(3, dtype=np.uint64)), (9, np.arange(20, dtype=np.uint64)),
+                (7, np.array([1.5, -2.0]))]
+        for tag, buffer in sent:
+            transport.send(0, buffer, tag)
+        for tag, buffer in sent:
+            source, got_tag, words = transport.recv_any()
+            assert (source, got_tag) == (0, tag) and np.array_equal(words, buffer.view(np.uint64))
+        transport.send(0, np.arange(2, dtype=np.uint64))  # on its own tag
+        assert transport.recv()[1].tolist() == [0, 1]
+        bad = np.zeros(3, np.uint8)
+        transport._track(comm.Isend([bad, MPI.BYTE], 0, 7), bad)
+        with pytest.raises(ProtocolViolation, match=r"^party 0 sent an invalid \(ϑ, i\) message: 3 bytes"):
+            transport.recv_any()
+    finally:
+        transport.flush()
+        comm.Free()

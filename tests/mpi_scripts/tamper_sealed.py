@@ -39,7 +39,7 @@ def main() -> None:
         runtime.dominate(10)  # honest sealed traffic first
     comm.Barrier()
     if rank == 1:
-        with runtime.sender._lock:  # take the next counter of the link to party 0, as an honest send would
+        with runtime.transport.send_lock:  # the next counter of the link to party 0, as an honest send
             sealed = runtime.channels.seal(0, TAG_THETA, pack(0, np.array([3]), np.array([0.5])))
             if scenario == "tampered":
                 sealed[1] ^= np.uint64(1)  # one bit of the ciphertext
