@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--algorithm", default="svrg")
     p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--he-gamma", type=float, default=None,
+                   help="γ of the he modes (default 0.5; their step follows a mean over B = 256 rows)")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     rows = []
@@ -196,7 +198,9 @@ def main(argv: list[str] | None = None) -> None:
                 work = Path(tmp)
                 config = RunConfig(**{"parties": 4, "active": 1, "dataset": dataset,
                                       "algorithm": args.algorithm, "epochs": args.epochs, "audit": True,
-                                      "out": str(work), "progress": False, **MODES[mode]})
+                                      "out": str(work), "progress": False, **MODES[mode],
+                                      **({"gamma": args.he_gamma} if args.he_gamma and mode.startswith("he")
+                                         else {})})
                 if launch(config, echo=False) != 0:
                     raise RuntimeError(f"{dataset}/{mode}: training failed")
                 last = json.loads((work / "metrics.jsonl").read_text().splitlines()[-1])
