@@ -43,11 +43,12 @@ def test_mini_batches_in_flight_are_each_applied_exactly_once(tmp_path):
             assert all(int(w[1]) == batch and w.size == 2 + 2 * batch for w in words)
 
 
-@pytest.mark.parametrize("inflight", [1, 3])
-def test_piggybacked_thetas_are_applied_exactly_once_with_one_message_fewer_per_step(inflight, tmp_path):
+def test_piggybacked_thetas_are_applied_exactly_once_with_one_message_fewer_per_step(tmp_path):
     """--piggyback: each collaborator gets one message per step from a dominator (its request, with the
     previous step's (ϑ, i) inside) instead of two, every ϑ still arrives once and in order, and the
-    job still reaches the NonF optimum."""
+    job still reaches the NonF optimum. Three requests in flight: ϑ's are held behind the pipeline and
+    the last ones of each segment go alone (P = 1 is the same with one)."""
+    inflight = 3
     train(tmp_path, "-n", "3", "-m", "2", "--algorithm", "svrg", "--epochs", "8", "--piggyback",
           "--inflight", str(inflight), "--audit", *CANCER)
     assert metrics(tmp_path)[-1]["suboptimality"] < 1e-5
@@ -88,7 +89,7 @@ def test_piggybacking_is_refused_where_a_step_cannot_wait_for_the_next_request(t
 def test_the_piggyback_benchmark_times_both_variants_and_a_serial_run(tmp_path):
     from experiments.bench_piggyback import main
 
-    summary = main(["--dataset", "breast-cancer", "--parties", "3", "--active", "2", "--epochs", "1",
+    summary = main(["--dataset", "breast-cancer", "--parties", "3", "--active", "2", "--epochs", "0.5",
                     "--repeats", "1", "--out", str(tmp_path)])
     assert set(summary["ms_per_update"]) == {"plain", "piggyback"}
     assert all(v[0] > 0 for v in summary["ms_per_update"].values()) and summary["serial_ms_per_update"] > 0
