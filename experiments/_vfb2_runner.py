@@ -53,7 +53,7 @@ PAPER_CLASSIFICATION = ("d1", "d2", "d3", "d4")
 PAPER_REGRESSION = ("d5", "d6")
 #: The fields of a job's configuration copied into every raw result row.
 JOB_FIELDS = ("dataset", "problem", "algorithm", "mode", "parties", "active", "threads", "gamma", "lam",
-              "seed", "straggler", "slowdown", "eval_every")
+              "seed", "straggler", "slowdown", "eval_every", "snapshot_every")
 
 
 # --------------------------------------------------------------------------------------- arguments

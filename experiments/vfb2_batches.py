@@ -49,6 +49,8 @@ PARTIES, ACTIVE, LAM = 4, 2, 1e-4
 #: one colour per link delay (ms), one line style per P: fixed across every figure
 DELAY_COLOURS = {0.0: "tab:blue", 1.0: "tab:orange", 10.0: "tab:red", 100.0: "tab:purple"}
 INFLIGHT_STYLES = {1: "-", 2: "--", 4: "--", 16: ":"}
+#: γ halvings tried after a divergence (see run_cell)
+RETRIES = 2
 
 
 def serial_curve(ds, blocks, batch: int, gamma: float, epochs: int, f_star: float) -> list[dict]:
@@ -70,6 +72,44 @@ def pick_gamma(ds, blocks, batch: int, base: float, f_star: float) -> float:
         if math.isfinite(gap) and gap < best_gap:
             best, best_gap = gamma, gap
     return best
+
+
+def run_cell(dataset: str, name: str, batch: int, p_inflight: int, delay: float, gamma: float,
+             serial_time: float | None, *, f_star: float, target: float, epochs: float, time_limit: float,
+             data_dir: str | None) -> dict:
+    """One (B, P, delay) job. A run that diverges is retried at γ/2, at most ``RETRIES`` times: P
+    requests in flight per dominator add staleness, which the serial run's γ does not allow for. The
+    row records the γ that ran and how many halvings it took."""
+    base = {"dataset": name, "batch": batch, "inflight": p_inflight, "delay_ms": delay,
+            "serial_time_to_target": serial_time}
+    for halvings in range(RETRIES + 1):
+        step = gamma / 2 ** halvings
+        config = job_config(dataset, "logistic", "svrg", step, f_star=f_star, parties=PARTIES, active=ACTIVE,
+                            lam=LAM, batch_size=batch, inflight=p_inflight, link_delay_ms=delay,
+                            epochs=epochs, eval_every=0.25, target_suboptimality=target,
+                            time_limit=time_limit, data_dir=data_dir)
+        load_now = os.getloadavg()[0]
+        row = {**base, "gamma": step, "halvings": halvings, "load": load_now}
+        try:
+            result = run_job(config, f"{name}-B{batch}-P{p_inflight}-d{delay:g}-h{halvings}")
+        except RuntimeError as error:  # diverged or failed: a result too, said as such
+            say(f"{name} B={batch} P={p_inflight} delay={delay:g} γ={step:.3g}: {error}")
+            if f"exit code {EXIT_CODES['diverged']}" in str(error):
+                row["status"] = "diverged"
+                continue
+            return {**row, "status": "failed"}
+        reached = result.time_to(target)
+        row.update({
+            "status": "reached" if reached is not None else "not reached",
+            "updates_per_s": result.updates_per_second, "samples_per_s": result.updates_per_second * batch,
+            "time_to_target": reached, "final_gap": result.final["suboptimality"],
+            "train_time": result.train_time,
+            "federation_cost": reached / serial_time if reached is not None and serial_time else None})
+        say(f"{name} B={batch} P={p_inflight} delay={delay:g} ms γ={step:.3g}: "
+            f"{row['updates_per_s']:,.0f} updates/s, to target {seconds(reached)}, "
+            f"cost {row['federation_cost']}")
+        return row
+    return row
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -107,36 +147,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             say(f"{name} B={batch}: γ={gamma:.3g}, serial time to {target:g}: {seconds(serial_time)}")
             for p_inflight in inflight:
                 for delay in delays:
-                    config = job_config(dataset, "logistic", "svrg", gamma, f_star=f_star, parties=PARTIES,
-                                        active=ACTIVE, lam=LAM, batch_size=batch, inflight=p_inflight,
-                                        link_delay_ms=delay, epochs=epochs, eval_every=0.25,
-                                        target_suboptimality=target, time_limit=time_limit,
-                                        data_dir=args.data_dir)
-                    load_now = os.getloadavg()[0]
-                    try:
-                        result = run_job(config, f"{name}-B{batch}-P{p_inflight}-d{delay:g}")
-                    except RuntimeError as error:  # diverged or failed: a result too, said as such
-                        say(f"{name} B={batch} P={p_inflight} delay={delay:g}: {error}")
-                        diverged = f"exit code {EXIT_CODES['diverged']}" in str(error)
-                        rows.append({"dataset": name, "batch": batch, "inflight": p_inflight,
-                                     "delay_ms": delay, "gamma": gamma,
-                                     "status": "diverged" if diverged else "failed",
-                                     "serial_time_to_target": serial_time, "load": load_now})
-                        continue
-                    reached = result.time_to(target)
-                    rows.append({
-                        "dataset": name, "batch": batch, "inflight": p_inflight, "delay_ms": delay,
-                        "gamma": gamma, "status": "reached" if reached is not None else "not reached",
-                        "updates_per_s": result.updates_per_second,
-                        "samples_per_s": result.updates_per_second * batch,
-                        "time_to_target": reached, "final_gap": result.final["suboptimality"],
-                        "train_time": result.train_time, "serial_time_to_target": serial_time,
-                        "federation_cost": (reached / serial_time if reached is not None and serial_time
-                                            else None),
-                        "load": load_now})
-                    r = rows[-1]
-                    say(f"{name} B={batch} P={p_inflight} delay={delay:g} ms: {r['updates_per_s']:,.0f} "
-                        f"updates/s, to target {seconds(reached)}, cost {r['federation_cost']}")
+                    rows.append(run_cell(dataset, name, batch, p_inflight, delay, gamma, serial_time,
+                                         f_star=f_star, target=target, epochs=epochs, time_limit=time_limit,
+                                         data_dir=args.data_dir))
     meta["load_after"] = os.getloadavg()
     write(rows, meta, out)
     return rows

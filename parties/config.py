@@ -61,6 +61,7 @@ class RunConfig:
     time_limit: float | None = None
     threads: int | None = None
     eval_every: float = 1.0
+    snapshot_every: float = 1.0
     seed: int = 0
     straggler: int | None = None
     slowdown: float = 0.4
@@ -140,7 +141,7 @@ def validate(config: RunConfig) -> RunConfig:
         raise ConfigError(f"unknown --mode {c.mode!r}; choose one of {', '.join(MODES)}")
     if c.mode not in algorithm.modes:
         raise ConfigError(f"{c.algorithm} runs only with --mode {' or '.join(algorithm.modes)}")
-    for name in ("gamma", "epochs", "eval_every"):
+    for name in ("gamma", "epochs", "eval_every", "snapshot_every"):
         if not getattr(c, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive (got {getattr(c, name)})")
     if c.lam < 0:
@@ -413,6 +414,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--time-limit", type=float, default=None, help="stop after this much training time (s)")
     p.add_argument("-k", "--threads", type=int, default=None, help="worker threads per party (default: m)")
     p.add_argument("--eval-every", type=float, default=d.eval_every, help="evaluate every this many epochs")
+    p.add_argument("--snapshot-every", type=float, default=d.snapshot_every,
+                   help="svrg: a new snapshot (ϑ_0, μ) every this many epochs, the inner loop's length; "
+                        "independent of --eval-every (1 = one pass, as run_serial)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--straggler", type=int, default=None, help="rank of an injected straggler party")
     p.add_argument("--slowdown", type=float, default=d.slowdown, help="straggler's extra time fraction")

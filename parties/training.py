@@ -1,9 +1,11 @@
 """Training one party: ``train(comm, party, config)``, the library call behind ``vfl train``.
 
 Every rank of ``comm`` calls it with its own :class:`~parties.runtime.PartyState`. Training runs in
-segments of ``eval_every`` epochs separated by global barriers, where the SVRG snapshot, the
-evaluation and the checkpoint happen. Rank 0 is the leader: an active party that computes the full
-ϑ vectors, evaluates, logs metrics, shows progress and decides when to stop.
+segments of ``eval_every`` epochs separated by global barriers, where the evaluation and the
+checkpoint happen. SVRG's snapshot is taken at such a barrier every ``snapshot_every`` epochs (a
+segment never straddles one), so how often a run is evaluated does not change the algorithm.
+Rank 0 is the leader: an active party that computes the full ϑ vectors, evaluates, logs metrics,
+shows progress and decides when to stop.
 
 The leader's decision reaches the others as one int64 word (a buffer broadcast, never pickle: a party
 must not be able to run code on another); an unknown word ends the job naming the leader.
@@ -103,6 +105,10 @@ def check_aligned(comm: MPI.Comm, party: PartyState) -> None:
                               "(different sample ids or order): align the files first")
 
 
+#: epochs: sums of segment lengths may miss a snapshot boundary by rounding; never by this much
+SNAPSHOT_SLACK = 1e-9
+
+
 class _Trainer:
     """The main thread of one rank: segments, barriers, evaluation, metrics, checkpoints."""
 
@@ -147,14 +153,19 @@ class _Trainer:
             self.train_time += time.perf_counter() - started
         n = party.block.n_rows
         outcome = self._decide(record)
+        next_snapshot = self.epochs  # a resumed run rebuilds its snapshot from the restored blocks
         while outcome is Outcome.CONTINUE:
             segment = min(config.eval_every, config.epochs - self.epochs)
             started = time.perf_counter()
             if party.rule.needs_snapshot:
-                self.rt.snapshot(LEADER)
-                # every party holds the new ϑ₀ and μ before any dominator sends a (ϑ, i) of this outer
-                # loop: one applied with the previous snapshot's ϑ₀ would not be an SVRG step
-                self.rt.ctrl.Barrier()
+                # every rank sums the same words into self.epochs, so all agree on when this happens
+                if self.epochs >= next_snapshot - SNAPSHOT_SLACK:
+                    self.rt.snapshot(LEADER)
+                    # every party holds the new ϑ₀ and μ before any dominator sends a (ϑ, i) of this
+                    # outer loop: one applied with the previous snapshot's ϑ₀ would not be an SVRG step
+                    self.rt.ctrl.Barrier()
+                    next_snapshot = self.epochs + config.snapshot_every
+                segment = min(segment, next_snapshot - self.epochs)
             done = 0
             if party.active:
                 quota = math.ceil(segment * n / (config.active * config.batch_size))

@@ -19,7 +19,7 @@ import pytest
 
 from parties.launch import first_to_die
 from parties.outcomes import find_stop
-from parties.runtime import AUDIT_LABELS, TAG_DONE, TAG_HEARTBEAT, TAG_STOP, TAG_THETA
+from parties.runtime import AUDIT_FULL_THETA, AUDIT_LABELS, TAG_DONE, TAG_HEARTBEAT, TAG_STOP, TAG_THETA
 from protocols.aggregation import HEADER_WORDS, Kind
 from protocols.transport import AGGREGATION_TAG
 from tests.conftest import REPO_ROOT, run_mpi
@@ -63,7 +63,8 @@ def nonf():
 @pytest.fixture(scope="module")
 def svrg_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("svrg")
-    train(out, "-n", "3", "-m", "2", "--algorithm", "svrg", "--epochs", "8", "--audit", *CANCER)
+    train(out, "-n", "3", "-m", "2", "--algorithm", "svrg", "--epochs", "8", "--eval-every", "0.5", "--audit",
+          *CANCER)
     return out
 
 
@@ -121,6 +122,13 @@ def test_messages_carry_only_what_the_protocol_allows(svrg_run):
     # masked sums are uniform on the ring: their top byte takes (almost) every value
     assert len(top_bytes) > 2000
     assert len(set(top_bytes)) > 240
+
+
+def test_snapshots_follow_snapshot_every_not_the_evaluation_period(svrg_run):
+    """Evaluated every half epoch, SVRG still takes one snapshot per pass (--snapshot-every 1): a
+    passive party receives the full ϑ_0 vector 8 times in 8 epochs, not 16."""
+    assert [r["epoch"] for r in metrics(svrg_run)] == [0.5 * k for k in range(17)]
+    assert int(np.sum(_transcript(svrg_run, 2)["tags"] == AUDIT_FULL_THETA)) == 8
 
 
 def test_variance_reduction_beats_sgd_per_epoch(svrg_run, tmp_path):
