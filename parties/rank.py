@@ -22,7 +22,7 @@ def run_party(config: RunConfig) -> None:
 
     from parties.loading import load_party
     from parties.outcomes import EXIT_CODES
-    from parties.runtime import OUT_OF_RANGE, stop_job
+    from parties.runtime import OUT_OF_RANGE, name_os_thread, stop_job
     from parties.training import MisalignedError, train
     from protocols.errors import ProtocolViolation
     from protocols.masking import AggregationOverflowError, PrecisionWarning
@@ -34,6 +34,7 @@ def run_party(config: RunConfig) -> None:
     warnings.filterwarnings("ignore", category=PrecisionWarning)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    name_os_thread(f"p{rank}-main")
     if size != config.parties:
         raise SystemExit(f"config says {config.parties} parties but mpiexec started {size} ranks")
     Path(config.out).mkdir(parents=True, exist_ok=True)
