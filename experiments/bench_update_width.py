@@ -68,7 +68,8 @@ def run_one(folder: Path, algorithm: str, epochs: float, gamma: float, active: i
     run = work / "run"
     shutil.rmtree(run, ignore_errors=True)
     config = RunConfig(parties=Q, active=active, party_files=str(folder), problem="logistic",
-                       algorithm=algorithm, gamma=gamma, epochs=epochs, eval_every=epochs, out=str(run),
+                       algorithm=algorithm, gamma=gamma, epochs=epochs, eval_every=epochs,
+                       snapshot_every=epochs, out=str(run),
                        overwrite=True, progress=False, seed=0)
     started = time.perf_counter()
     code = launch(config, echo=False)

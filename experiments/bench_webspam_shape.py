@@ -116,7 +116,8 @@ def run_one(folder: Path, algorithm: str, epochs: float, gamma: float, work: Pat
     run = work / "run"
     shutil.rmtree(run, ignore_errors=True)
     config = RunConfig(parties=Q, active=M, party_files=str(folder), problem="logistic", algorithm=algorithm,
-                       gamma=gamma, epochs=epochs, eval_every=epochs, out=str(run), overwrite=True,
+                       gamma=gamma, epochs=epochs, eval_every=epochs,
+                       snapshot_every=epochs, out=str(run), overwrite=True,
                        progress=False, seed=0)
     started = time.perf_counter()
     with PeakWatcher(run, Q) as watcher:

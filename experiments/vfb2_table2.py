@@ -25,8 +25,9 @@ m = 2 active (the same two label holders for AFSVRG-VP), k = m, B = 1, λ = 1e-4
 sweep, seeds 0 and 1 (two trials: the 40-minute budget of this 2-core machine). VFB²-SVRG stops at
 sub-optimality 1e-5 (the paper's D1 criterion, used on every dataset) or after ``--epochs`` (default
 3; the nonconvex w8a column needs 12, see ``NONCONVEX_GAMMAS``); AFSVRG-VP the same, against
-``f*_VP``. Evaluations every 0.25 epoch; the runtime takes
-an SVRG snapshot at the start of every such segment, so the SVRG inner loop is n/4 updates.
+``f*_VP``. Evaluations every 0.25 epoch, and an SVRG snapshot at the start of each
+(``snapshot_every`` = the evaluation period, as when these results were made), so the SVRG inner loop
+is n/4 updates.
 
 Outputs in ``experiments/results/vfb2_table2/``: ``runs.csv`` (every evaluation of every job),
 ``accuracy.csv`` (final test accuracy per dataset, problem, algorithm, seed) and ``table2.md``.
@@ -113,7 +114,7 @@ def run_dataset(dataset: str, problem: str, seeds: list[int], *, parties: int, a
                                          ("VFB²-SVRG", "svrg", ref.f_star)):
             config = job_config(dataset, problem, algorithm, gamma, f_star=f_star, parties=parties,
                                 active=active, seed=seed, epochs=epochs, target_suboptimality=target,
-                                eval_every=eval_every, data_dir=data_dir)
+                                eval_every=eval_every, snapshot_every=eval_every, data_dir=data_dir)
             job = run_job(config, f"{dataset}-{problem}-{algorithm}-seed{seed}")
             runs += job.rows()
             results.append({"dataset": dataset, "problem": problem, "algorithm": label, "seed": seed,
