@@ -20,6 +20,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "channels": ("experiments.bench_channels", "--secure-channels: seal/open cost, per-update time vs plain"),
     "piggyback": ("experiments.bench_piggyback",
                   "--piggyback vs plain dispatch: time per dominated update, with a serial run beside"),
+    "update_profile": ("experiments.bench_update_profile",
+                       "where a B = 1 update's time goes: q ranks on the cores, CPU per thread role"),
     "compression": ("experiments.bench_compression", "compressor round-trip cost and payload sizes"),
     "update_cost": ("experiments.bench_update_cost", "time per update vs block width: lazy vs eager kernels"),
     "update_width": ("experiments.bench_update_width",

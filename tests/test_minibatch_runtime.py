@@ -95,3 +95,18 @@ def test_the_piggyback_benchmark_times_both_variants_and_a_serial_run(tmp_path):
     assert all(v[0] > 0 for v in summary["ms_per_update"].values()) and summary["serial_ms_per_update"] > 0
     assert summary["cpu"] and len(summary["load_before"]) == 3
     assert {p.name for p in tmp_path.iterdir()} == {"results.json", "table.md", "per_update.png"}
+
+
+def test_the_update_profile_sees_each_threads_cpu_by_its_name(tmp_path):
+    """The ranks name their threads in the OS (p<rank>-main, -comm, -worker-k, -heartbeat), so the
+    profile can split a job's CPU by role; a longer job costs more CPU in its communication threads."""
+    from experiments.bench_update_profile import main
+
+    summary = main(["--dataset", "breast-cancer", "--parties", "3", "--repeats", "1", "--short", "1",
+                    "--long", "3", "--out", str(tmp_path)])
+    short, long = summary["jobs"]
+    assert {"main", "comm", "worker", "heartbeat"} <= set(long["cpu_by_role"])
+    assert long["updates"] > short["updates"] > 0
+    assert long["cpu_by_role"]["comm"] > short["cpu_by_role"]["comm"]
+    assert summary["profiles"][0]["cpu_ms_per_update"]["comm"] > 0 and summary["serial_ms_per_update"] > 0
+    assert {p.name for p in tmp_path.iterdir()} == {"results.json", "table.md", "profile.png"}
