@@ -159,9 +159,12 @@ def attack_all(transcript_path: str | Path, y: np.ndarray, X=None) -> dict[str, 
 MODES = {"plain": {}, "dp-16": {"label_privacy": "dp", "epsilon": 16.0},
          "dp-4": {"label_privacy": "dp", "epsilon": 4.0}, "dp-1": {"label_privacy": "dp", "epsilon": 1.0},
          "he": {"label_privacy": "he", "algorithm": "sgd", "batch_size": 256, "gamma": 0.5},
-         "he-svrg": {"label_privacy": "he", "algorithm": "svrg", "batch_size": 256, "gamma": 0.5}}
+         "he-svrg": {"label_privacy": "he", "algorithm": "svrg", "batch_size": 256, "gamma": 0.5},
+         **{f"he-eps-{e:g}": {"label_privacy": "he", "algorithm": "sgd", "batch_size": 256, "gamma": 0.5,
+                              "epsilon": e} for e in (16.0, 4.0, 1.0)}}
 COLOURS = {"plain": "tab:red", "dp-16": "tab:orange", "dp-4": "tab:green", "dp-1": "tab:blue",
-           "he": "tab:purple", "he-svrg": "tab:brown"}
+           "he": "tab:purple", "he-svrg": "tab:brown", "he-eps-16": "tab:pink", "he-eps-4": "tab:olive",
+           "he-eps-1": "tab:cyan"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -234,13 +237,14 @@ def write(rows: list[dict], out: Path, load: tuple | None = None, cpu: str | Non
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    lines = ["| dataset | mode | test accuracy | NonF | best attack | its accuracy (rows seen) "
-             "| majority class | s/epoch |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| dataset | mode | test accuracy | NonF | best attack | its accuracy (rows seen) | its AUC "
+             "| majority class | s/epoch |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = r["best_attack"]
+        auc = r.get(b + "_auc", float("nan"))
         lines.append(f"| {r['dataset']} | {r['mode']} | {100 * r['test_accuracy']:.2f} % | "
                      f"{100 * r['nonf_accuracy']:.2f} % | {b} | {100 * r[b + '_accuracy']:.1f} % "
-                     f"({100 * r[b + '_coverage']:.0f} %) | {100 * r[b + '_majority']:.1f} % | "
+                     f"({100 * r[b + '_coverage']:.0f} %) | {auc:.2f} | {100 * r[b + '_majority']:.1f} % | "
                      f"{r['seconds_per_epoch']:.2f} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     datasets = sorted({r["dataset"] for r in rows})

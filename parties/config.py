@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +75,9 @@ class RunConfig:
     overwrite: bool = False
     label_privacy: str = "none"
     epsilon: float | None = None
+    delta: float = 1e-5
+    #: --label-privacy he --epsilon: σ of the Gaussian noise, set by validation from (ε, δ, n, B, steps)
+    noise_multiplier: float | None = None
     he_scheme: str = "ou"
     he_key_bits: int = 2048
     secure_channels: bool = False
@@ -112,6 +116,24 @@ class RunConfig:
     def worker_threads(self) -> int:
         """k, the collaborative worker threads per party: the paper's k = m unless set."""
         return self.threads if self.threads is not None else self.active
+
+    def label_dp_releases(self, n_train: int) -> int:
+        """``--label-privacy he --epsilon``: the most batches any one row can be in. Each pass over the
+        rows is one permutation cut into ⌊n/B⌋ batches, dealt to the m dominators in turn
+        (``parties.runtime``), so a row is in at most one batch a pass; a dominator takes
+        ⌈segment·n/(m·B)⌉ steps per segment of ``eval_every`` epochs (``parties.training``) and gets at
+        least ⌊⌊n/B⌋/m⌋ batches a pass; a time limit only cuts the run short."""
+        per_pass = (n_train // self.batch_size) // self.active
+        if per_pass < 1:
+            raise ConfigError(f"--label-privacy he --epsilon needs a batch per dominator in each pass: "
+                              f"{n_train} rows make {n_train // self.batch_size} batches of "
+                              f"{self.batch_size} for {self.active} dominators")
+        steps, done = 0, 0.0
+        while done < self.epochs - 1e-9:
+            segment = min(self.eval_every, self.epochs - done)
+            steps += math.ceil(segment * n_train / (self.active * self.batch_size))
+            done += segment
+        return math.ceil(steps / per_pass)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -197,8 +219,8 @@ def validate(config: RunConfig) -> RunConfig:
         if c.target_suboptimality is not None or c.f_star is not None:
             raise ConfigError("--label-privacy dp does not use f*: f* of the true labels would leak them; "
                               "drop --target-suboptimality / --f-star")
-    elif c.epsilon is not None:
-        raise ConfigError("--epsilon needs --label-privacy dp")
+    elif c.epsilon is not None and c.label_privacy != "he":
+        raise ConfigError("--epsilon needs --label-privacy dp or he")
     if c.label_privacy == "he":
         _validate_he(c)
     if c.channel_keys is not None and not c.secure_channels:
@@ -233,6 +255,21 @@ def _validate_he(c: RunConfig) -> None:
     if c.he_key_bits not in KEY_BITS:
         raise ConfigError(f"--he-key-bits must be one of {', '.join(map(str, KEY_BITS))} "
                           f"(got {c.he_key_bits})")
+    if c.epsilon is not None:
+        if not 0 < c.epsilon < float("inf"):
+            raise ConfigError(f"--epsilon must be a positive number (got {c.epsilon})")
+        if not 0 < c.delta < 1:
+            raise ConfigError(f"--delta must lie between 0 and 1 (got {c.delta})")
+        if c.algorithm != "sgd":
+            raise ConfigError("--label-privacy he --epsilon runs --algorithm sgd: an SVRG snapshot would "
+                              "release a full gradient that the per-batch accounting does not cover")
+        if c.resume:
+            raise ConfigError("--label-privacy he --epsilon cannot --resume: the batch schedule would start "
+                              "over, and rows could be in more batches than the privacy accounting allows")
+        if c.target_suboptimality is not None:
+            raise ConfigError("--label-privacy he --epsilon stops on the epoch or time budget only: a stop "
+                              "at a target loss is a decision made from the labels; drop "
+                              "--target-suboptimality")
 
 
 def check_he_features(c: RunConfig, passive_blocks) -> None:
@@ -262,6 +299,10 @@ def check_he_batch(c: RunConfig, widest_passive_block: int, n_train: int) -> Non
                           f"{min_batch(widest_passive_block)} here (got {c.batch_size}): a passive block "
                           f"has {widest_passive_block} columns, and with B ≤ that its batch gradient "
                           "X_Bᵀϑ determines ϑ")
+    if c.label_privacy == "he" and c.epsilon is not None and c.noise_multiplier is None:
+        from vfl.label_privacy import gaussian_noise_multiplier
+
+        c.noise_multiplier = gaussian_noise_multiplier(c.epsilon, c.delta, c.label_dp_releases(n_train))
 
 
 def _validate_data(c: RunConfig) -> None:
@@ -443,7 +484,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="additively homomorphic scheme of --label-privacy he (Okamoto–Uchiyama: ~10x faster)")
     p.add_argument("--he-key-bits", type=int, default=d.he_key_bits, choices=(2048, 3072, 4096),
                    help="modulus size of --label-privacy he (2048: 112-bit security, 3072: 128-bit)")
-    p.add_argument("--epsilon", type=float, default=None, help="ε of --label-privacy dp")
+    p.add_argument("--epsilon", type=float, default=None,
+                   help="ε of --label-privacy dp (randomized response), or of he: Gaussian noise on every "
+                        "batch gradient, calibrated by an RDP accountant (sgd, budget-only stops)")
+    p.add_argument("--delta", type=float, default=d.delta, help="δ of --label-privacy he --epsilon")
     p.add_argument("--secure-channels", action="store_true",
                    help="seal every message between parties (X25519 + ChaCha20-Poly1305)")
     p.add_argument("--channel-keys", default=None, metavar="FILE",

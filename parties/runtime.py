@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import math
 import queue
 import sys
 import threading
@@ -144,6 +145,30 @@ def name_os_thread(name: str) -> None:
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
 
 
+
+class PassBatches:
+    """A dominator's batches under ``--label-privacy he --epsilon``: pass e is one permutation of the n
+    rows cut into ⌊n/B⌋ batches, dealt to the m dominators in turn, so a row is in at most one batch a
+    pass and its privacy loss composes over passes, not steps (vfl/label_privacy.py). The seed is the
+    job's: every passive party sees each batch's rows anyway."""
+
+    def __init__(self, n_rows: int, batch: int, dominators: int, index: int, seed: int) -> None:
+        self.n_rows, self.batch, self.seed = n_rows, batch, seed
+        self.dominators, self.index = dominators, index
+        self.passes = 0
+        self._ready = np.zeros((0, batch), dtype=np.int64)
+
+    def take(self, count: int) -> np.ndarray:
+        """The next ``count`` batches, ``[count, B]``."""
+        while self._ready.shape[0] < count:
+            perm = np.random.default_rng([self.seed, 0x1DB, self.passes]).permutation(self.n_rows)
+            cut = perm[: (self.n_rows // self.batch) * self.batch].reshape(-1, self.batch)
+            self._ready = np.concatenate([self._ready, cut[self.index::self.dominators]])
+            self.passes += 1
+        taken, self._ready = self._ready[:count], self._ready[count:]
+        return taken
+
+
 class PartyRuntime:
     """Runs one party's threads for a VFB² job; all ranks of ``comm`` construct one collectively."""
 
@@ -153,7 +178,8 @@ class PartyRuntime:
                  slowdown: float = 0.0, apply_delay: float = 0.0, peer_timeout: float = 30.0,
                  link_delay: float = 0.0, link_jitter: float = 0.0, keys: ChannelKeys | None = None,
                  allow_two_parties: bool = False, audit: bool = False, label_privacy: str = "none",
-                 he_scheme: str = "ou", he_key_bits: int = 2048) -> None:
+                 he_scheme: str = "ou", he_key_bits: int = 2048, noise_multiplier: float | None = None
+                 ) -> None:
         writers = getattr(party.rule, "writers", threads + 1)
         if writers < threads + 1:  # the dominator and each worker need their own writer slot
             raise ValueError(f"the update rule has {writers} writer slot(s); a party with {threads} "
@@ -202,8 +228,13 @@ class PartyRuntime:
         self.max_words = MAX_MESSAGE_WORDS
         if self.piggyback:  # a (ϑ, i) message of B rows and a request for B rows, behind a length word
             self.max_words = max(self.max_words, 1 + (2 + 2 * batch_size) + (HEADER_WORDS + batch_size))
+        #: --label-privacy he --epsilon: σC, the noise of every batch gradient (0: none); batches of a pass
+        self._noise_std = 0.0
+        self._batches: PassBatches | None = None
         if self.he:
             self._setup_he(he_scheme, he_key_bits)
+            if noise_multiplier:
+                self._setup_noise(noise_multiplier, seed)
         #: every data-plane message, both ways (protocols/transport.py): sends from any thread, sealed
         #: with channels; the communication thread is its one receiver
         wire_words = self.max_words + (0 if self.channels is None else OVERHEAD_WORDS)
@@ -377,6 +408,7 @@ class PartyRuntime:
         party = self.party
         if self.he and not party.active:
             return self._he_worker_loop(inbox, writer)
+        noise = np.random.default_rng() if self._noise_std else None  # this thread's own, OS entropy
         while True:
             batch = [inbox.get()]
             while len(batch) < WORKER_BATCH and not inbox.empty():
@@ -390,6 +422,9 @@ class PartyRuntime:
                     time.sleep(self.apply_delay)
                 started = time.perf_counter()
                 party.rule.apply(party.w, rows, thetas, writer=writer)
+                if noise is not None:  # one draw for len(items) steps: the sum of their noises
+                    scale = self._noise_std * math.sqrt(len(items))
+                    party.rule.apply_noise(party.w, noise.normal(0.0, scale, party.w.size))
                 self._straggle(started)
                 with self.applied_cond:
                     for source, _, _ in items:
@@ -428,6 +463,31 @@ class PartyRuntime:
         b = self.batch_size
         self.max_words = max(MAX_MESSAGE_WORDS, 3 + b + label_he.ciphertext_limit(key_bits, b) // 8 + 1)
 
+    def _setup_noise(self, noise_multiplier: float, seed: int) -> None:
+        """``--epsilon``: every party tells the others (one buffer collective) the fixed-point feature
+        bits of its block and its largest squared row norm; C = √(Σ_l max_i ‖x_i^(l)‖²) bounds every full
+        row's norm, and each block's batch gradient gets N(0, (σC)²) per coordinate (vfl/label_privacy.py).
+        Only the label holders draw noise, from OS entropy: a seed the others know would let them
+        subtract it. Semi-honest parties: a passive party that understated its norm would lower the
+        noise every party gets."""
+        party, block = self.party, self.party.block
+        squares = np.bincount(np.repeat(np.arange(block.n_rows), np.diff(block.indptr)),
+                              weights=np.asarray(block.data, dtype=np.float64) ** 2, minlength=block.n_rows)
+        bits = 0 if party.active else next(iter(self._he_gradients.values())).feature_bits
+        every = np.empty((self.q, 2), dtype=np.float64)
+        self.ctrl.Allgather(np.array([bits, squares.max(initial=0.0)]), every)
+        for rank, (their_bits, square) in enumerate(every.tolist()):
+            if their_bits not in (0, label_he.FEATURE_BITS) or not 0 <= square < math.inf:
+                raise ProtocolViolation(rank, "label-DP setup", f"feature bits {their_bits}, squared norm "
+                                        f"{square}")
+        self._fraction_bits = label_he.THETA_BITS + every[:, 0].astype(np.int64)
+        self._noise_std = noise_multiplier * math.sqrt(float(every[:, 1].sum()))
+        if party.active:
+            self._batches = PassBatches(block.n_rows, self.batch_size, len(self.active_ranks),
+                                        self.active_ranks.index(self.rank), seed)
+            self._own_noise = np.random.default_rng()  # the main thread's; the comm thread's below
+            self._reply_noise = np.random.default_rng()
+
     def _encrypt_batch(self, rows: np.ndarray, thetas: np.ndarray) -> np.ndarray:
         """The encrypted (ϑ, i) batch for the passive parties, numbered like the plain broadcast."""
         assert self._he_key is not None
@@ -447,6 +507,12 @@ class PartyRuntime:
             raise ProtocolViolation(source, "masked gradient", f"for batch #{seq} where #{expected} was "
                                     f"expected ({self.sent} sent)")
         words = self._he_key.decrypt_masked(source, payload, self.batch_size)
+        if self._noise_std:
+            noise = self._reply_noise.normal(0.0, self._noise_std, words.size // 2)
+            try:
+                words = label_he.add_noise(words, noise, int(self._fraction_bits[source]))
+            except OverflowError as err:
+                stop_job(self.data, self.rank, "diverged", str(err))
         self._he_answered[source] = expected + 1
         reply = np.concatenate([np.array([seq], dtype=np.uint64), words])
         self.transport.send(source, reply, TAG_HE_DECRYPTED)
@@ -535,7 +601,8 @@ class PartyRuntime:
         """
         party = self.party
         assert party.problem is not None and party.y is not None
-        rows = self._rng.integers(0, party.block.n_rows, size=(n_steps, self.batch_size))
+        rows = (self._rng.integers(0, party.block.n_rows, size=(n_steps, self.batch_size))
+                if self._batches is None else self._batches.take(n_steps))
         others = [r for r in range(self.q) if r != self.rank]
         pending: collections.deque[tuple[np.ndarray, queue.SimpleQueue[np.ndarray]]] = collections.deque()
         issued = done = 0
@@ -572,6 +639,8 @@ class PartyRuntime:
                             self.transport.send(dest, buf, TAG_THETA)
             started = time.perf_counter()
             party.rule.apply(party.w, step_rows, thetas, writer=0)
+            if self._noise_std:
+                party.rule.apply_noise(party.w, self._own_noise.normal(0.0, self._noise_std, party.w.size))
             self._straggle(started)
             if self.synchronous and self.dispatch:
                 for _ in others:

@@ -63,7 +63,7 @@ def train(comm: MPI.Comm, party: PartyState, config: RunConfig) -> TrainResult:
         link_jitter=config.link_jitter_ms / 1e3, keys=channel_keys(config, comm.Get_rank()),
         allow_two_parties=config.allow_two_parties,
         audit=config.audit, label_privacy=config.label_privacy, he_scheme=config.he_scheme,
-        he_key_bits=config.he_key_bits)
+        he_key_bits=config.he_key_bits, noise_multiplier=config.noise_multiplier)
     result = _Trainer(runtime, config).run()
     runtime.close()
     if config.audit:

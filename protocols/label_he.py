@@ -235,6 +235,22 @@ class BlockGradient:
         return out
 
 
+def add_noise(words: np.ndarray, noise: np.ndarray, fraction_bits: int) -> np.ndarray:
+    """The active party's side of ``--epsilon``: add ``noise`` (one float per value) to decrypted
+    values (g_j + r_j) mod 2^RETURN_BITS in the passive party's fixed point (``fraction_bits`` =
+    THETA_BITS + its feature bits), so that the party unmasks g_j + noise_j and never g_j."""
+    if words.dtype != np.uint64 or words.shape != (2 * noise.size,):
+        raise ValueError(f"{words.size} words for {noise.size} noise values")
+    if not np.all(np.abs(noise) < 2.0**VALUE_BITS):  # NaN too: the fixed point must not wrap
+        raise OverflowError(f"label-DP noise left ±2^{VALUE_BITS}")
+    full = 1 << RETURN_BITS
+    pairs = words.reshape(-1, 2).tolist()
+    # a float64 times 2^k is an exact integer: the noise keeps its 53 bits, the sum is exact mod 2^128
+    offsets = np.rint(noise * 2.0**fraction_bits).tolist()
+    return _to_words([((lo | (hi << 64)) + int(o)) % full
+                      for (lo, hi), o in zip(pairs, offsets, strict=True)])
+
+
 def _first_line(err: Exception) -> str:
     """The library's message without the C++ stack trace it appends."""
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

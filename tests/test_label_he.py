@@ -7,6 +7,7 @@ share one HE job in sync mode, compared with plain mini-batch SGD on the same ro
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -145,6 +146,21 @@ def test_he_mode_refuses_what_would_reveal_theta():
         check_he_features(RunConfig(**base), [sp.csr_matrix(np.full((2, 2), 3e6))])
 
 
+def test_noise_is_added_exactly_in_the_passive_partys_fixed_point():
+    """add_noise: (g + r + rint(noise·2^k)) mod 2^128, so the party unmasks g + noise to its resolution."""
+    rng = np.random.default_rng(3)
+    full = 1 << label_he.RETURN_BITS
+    values = [int(v) % full for v in rng.integers(-2**62, 2**62, 6).tolist()] + [full - 1, 0]
+    noise = rng.normal(0.0, 50.0, len(values))
+    for bits in (label_he.THETA_BITS, label_he.THETA_BITS + label_he.FEATURE_BITS):
+        noisy = label_he.add_noise(label_he._to_words(values), noise, bits)
+        out = label_he._from_words(0, noisy, len(values))
+        offsets = np.rint(noise * 2.0**bits)
+        assert out == [(v + int(o)) % full for v, o in zip(values, offsets, strict=True)]
+    with pytest.raises(OverflowError, match="noise"):
+        label_he.add_noise(label_he._to_words([1]), np.array([np.nan]), label_he.THETA_BITS)
+
+
 # ------------------------------------------------------------------------------------- real jobs
 
 
@@ -181,7 +197,8 @@ def plain_mini_batch_sgd(out) -> list[np.ndarray]:
 def he_svrg_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("he-svrg")
     train(out, "-n", "3", "-m", "1", "--algorithm", "svrg", "--mode", "sync", "-B", str(B), "--epochs",
-          str(EPOCHS), "--eval-every", str(SVRG_EVAL_EVERY), "--label-privacy", "he", "--audit", *CANCER)
+          str(EPOCHS), "--eval-every", str(SVRG_EVAL_EVERY), "--snapshot-every", str(SVRG_EVAL_EVERY),
+          "--label-privacy", "he", "--audit", *CANCER)
     return out
 
 
@@ -275,3 +292,29 @@ def test_the_leader_refuses_a_forged_answer_to_the_snapshots_encrypted_full_pass
     output = proc.stdout + proc.stderr
     assert proc.returncode not in (0, 139, -11) and "NOT REJECTED" not in output, output
     assert message in output, output
+
+
+@pytest.mark.mpi
+def test_with_epsilon_a_passive_party_gets_its_batch_gradient_only_under_calibrated_noise(tmp_path):
+    """--epsilon: the gradient a passive party unmasks carries N(0, (σC)²) per coordinate, σ from the
+    accountant and C = √(Σ_l max_i ‖x_i^(l)‖²); at ε = 0.2 the noise dwarfs the gradient, so the values'
+    spread is σC. The batches of a pass hold each row at most once."""
+    batch = 64
+    train(tmp_path, "-n", "3", "-m", "1", "--algorithm", "sgd", "-B", str(batch), "--epochs", "3",
+          "--label-privacy", "he", "--epsilon", "0.2", "--audit", *CANCER[:-2], "--gamma", "1e-4")
+    config = json.loads((tmp_path / "config.json").read_text())
+    parties = [load_party_file(find_party_file(tmp_path / "parties", r)) for r in range(3)]
+    c = math.sqrt(sum(float(p.X_train.multiply(p.X_train).sum(axis=1).max()) if sp.issparse(p.X_train)
+                      else float((p.X_train**2).sum(axis=1).max()) for p in parties))
+    expected = config["noise_multiplier"] * c
+    assert config["noise_multiplier"] > 20
+    for passive in (1, 2):
+        t = Transcript.load(tmp_path / f"audit-{passive}.npz")
+        values = np.concatenate([g.view(np.float64) for g in t.of_tag(AUDIT_HE_GRADIENT)])
+        assert values.size == 24 * 10  # 3 epochs of ⌈455/64⌉ = 8 batches of 10 columns each
+        assert abs(values.std() / expected - 1) < 0.2
+        assert abs(values.mean()) < 4 * expected / math.sqrt(values.size)
+        rows = [label_he.unpack_batch(0, w, n_rows=455, batch=batch)[1] for w in t.of_tag(TAG_HE_BATCH)]
+        for start in range(0, len(rows) - 6, 7):  # a pass: 7 batches of 64 of the 455 rows
+            chunk = np.concatenate(rows[start:start + 7])
+            assert np.unique(chunk).size == chunk.size

@@ -12,7 +12,12 @@ from experiments.label_attacks import attack_all
 from parties.config import ConfigError, RunConfig, validate
 from tests.test_runtime import train
 from vfl.datasets import load
-from vfl.label_privacy import flip_probability, randomized_response
+from vfl.label_privacy import (
+    flip_probability,
+    gaussian_epsilon,
+    gaussian_noise_multiplier,
+    randomized_response,
+)
 
 
 @pytest.mark.parametrize("epsilon", [0.5, 1.0, 4.0])
@@ -52,3 +57,60 @@ def test_a_passive_party_learns_no_more_than_randomized_response_allows(tmp_path
     for passive in (1, 2):
         for attack, found in attack_all(tmp_path / f"audit-{passive}.npz", y).items():
             assert found["accuracy"] < bound + 4 * math.sqrt(bound * (1 - bound) / y.size), attack
+
+
+# ------------------------------------------- --label-privacy he --epsilon: Gaussian noise on gradients
+
+
+def test_the_noise_multiplier_is_the_smallest_that_meets_epsilon():
+    for epsilon, releases in ((1.0, 2), (4.0, 3), (16.0, 1)):
+        sigma = gaussian_noise_multiplier(epsilon, 1e-5, releases)
+        assert (gaussian_epsilon(sigma, 1e-5, releases) <= epsilon
+                < gaussian_epsilon(sigma / 1.01, 1e-5, releases))
+        # an independent bound: k Gaussian mechanisms are (k/2σ²)-zCDP, so ε ≤ ρ + 2√(ρ ln(1/δ))
+        rho = releases / (2 * sigma**2)
+        assert epsilon <= rho + 2 * math.sqrt(rho * math.log(1e5)) * 1.001
+    # more releases need more noise, a looser ε less
+    assert (gaussian_noise_multiplier(1.0, 1e-5, 4) > gaussian_noise_multiplier(1.0, 1e-5, 2)
+            > gaussian_noise_multiplier(4.0, 1e-5, 2))
+
+
+def test_each_row_is_in_at_most_the_accounted_number_of_batches():
+    """PassBatches deals each pass's permutation to the dominators, and the training loop takes
+    ⌈segment·n/(m·B)⌉ batches per dominator and segment: no row may be in more batches than
+    label_dp_releases, the k of the accounting."""
+    from parties.runtime import PassBatches
+
+    n, batch = 455, 64
+    for active, epochs, eval_every in ((1, 2.0, 1.0), (2, 2.5, 0.5), (3, 1.0, 0.25)):
+        config = RunConfig(parties=4, active=active, batch_size=batch, epochs=epochs, eval_every=eval_every)
+        counts = np.zeros(n, dtype=np.int64)
+        first_pass = []
+        for dominator in range(active):
+            first_pass.append(PassBatches(n, batch, active, dominator, seed=7).take((n // batch) // active))
+            batches = PassBatches(n, batch, active, dominator, seed=7)
+            done = 0.0
+            while done < epochs - 1e-9:
+                segment = min(eval_every, epochs - done)
+                np.add.at(counts, batches.take(math.ceil(segment * n / (active * batch))).ravel(), 1)
+                done += segment
+        rows = np.concatenate([b.ravel() for b in first_pass])
+        assert np.unique(rows).size == rows.size  # one pass: every row at most once, over all dominators
+        assert 0 < counts.max() <= config.label_dp_releases(n)
+
+
+def test_noisy_he_refuses_what_the_accounting_does_not_cover():
+    base = dict(dataset="breast-cancer", parties=3, active=1, algorithm="sgd", label_privacy="he",
+                batch_size=64, epsilon=1.0, epochs=2.0)
+    config = validate(RunConfig(**base))
+    assert config.noise_multiplier == pytest.approx(
+        gaussian_noise_multiplier(1.0, 1e-5, config.label_dp_releases(455)))
+    for bad, message in ((dict(algorithm="svrg"), "runs --algorithm sgd"),
+                         (dict(target_suboptimality=1e-3), "budget only"),
+                         (dict(resume=True), "cannot --resume"), (dict(delta=0.0), "--delta"),
+                         (dict(epsilon=-1.0), "positive"),
+                         (dict(batch_size=256, active=2, parties=4), "a batch per dominator")):
+        with pytest.raises(ConfigError, match=message):
+            validate(RunConfig(**{**base, **bad}))
+    with pytest.raises(ConfigError, match="--epsilon needs --label-privacy dp or he"):
+        validate(RunConfig(dataset="breast-cancer", parties=3, epsilon=1.0))

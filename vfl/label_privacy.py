@@ -1,4 +1,5 @@
-"""ε-label differential privacy by randomized response on the training labels.
+"""ε-label differential privacy: randomized response on the labels (``--label-privacy dp``), and the
+accountant of the Gaussian noise that ``--label-privacy he --epsilon`` adds to every batch gradient.
 
 Why randomized response: in VFB² every label-dependent number another party sees (ϑ on each update,
 the full ϑ vectors, the stop decisions) is computed from the labels the active party trains with. If
@@ -37,3 +38,53 @@ def randomized_response(y: np.ndarray, epsilon: float, rng: np.random.Generator)
         raise ValueError("randomized response needs binary labels in {-1, +1}")
     flip = rng.random(y.size) < flip_probability(epsilon)
     return np.where(flip, -y, y)
+
+
+# ------------------------------------------------------------------ Gaussian noise on batch gradients
+#
+# ``--label-privacy he --epsilon``: every block's batch gradient X_Bᵀϑ_B gets N(0, (σC)²) noise per
+# coordinate, where C bounds a full row's norm ‖x_i‖. Changing one label moves the logistic ϑ_i by
+# exactly 1 (ϑ(z, +1) − ϑ(z, −1) = −σ(−z) − σ(z) = −1), so it moves the joint gradient by ‖x_i‖ ≤ C:
+# each release is the Gaussian mechanism with noise multiplier σ for the rows of its batch. For every
+# other row it reveals nothing new: the model it was computed at is itself built from earlier noisy
+# releases (every party, active ones included, steps from the noisy gradient only).
+#
+# No amplification by subsampling: a passive party needs the row numbers of each batch to compute its
+# block's gradient, so it knows which rows each release is about. A row's privacy loss is therefore the
+# k-fold composition of the Gaussian mechanism over the k batches it is in, and the runtime draws the
+# batches of each pass from one permutation of the rows (parties.runtime), so k is the number of passes.
+
+
+def gaussian_epsilon(noise_multiplier: float, delta: float, releases: int) -> float:
+    """ε at ``delta`` of ``releases`` Gaussian mechanisms of noise multiplier σ on one row's label (RDP
+    accountant of Google's ``dp_accounting``, converted to (ε, δ))."""
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must lie in (0, 1), got {delta}")
+    if releases < 1:
+        raise ValueError(f"releases must be at least 1, got {releases}")
+    if not noise_multiplier > 0:
+        raise ValueError(f"the noise multiplier must be positive, got {noise_multiplier}")
+    accountant = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    accountant.compose(dp_accounting.GaussianDpEvent(noise_multiplier), releases)
+    return float(accountant.get_epsilon(delta))
+
+
+def gaussian_noise_multiplier(epsilon: float, delta: float, releases: int) -> float:
+    """The smallest noise multiplier σ (to 0.1 %) whose :func:`gaussian_epsilon` is at most ``epsilon``."""
+    if not 0 < epsilon < math.inf:
+        raise ValueError(f"epsilon must be a positive finite number, got {epsilon}")
+    low, high = 1e-3, 1.0
+    while gaussian_epsilon(high, delta, releases) > epsilon:
+        low, high = high, 2 * high
+        if high > 1e8:
+            raise ValueError(f"no noise multiplier below 1e8 reaches ε = {epsilon} at δ = {delta}")
+    while high / low > 1.001:
+        mid = math.sqrt(low * high)
+        if gaussian_epsilon(mid, delta, releases) > epsilon:
+            low = mid
+        else:
+            high = mid
+    return high
