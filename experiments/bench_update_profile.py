@@ -35,7 +35,8 @@ from experiments.bench_piggyback import serial_ms_per_update
 from parties.config import RunConfig
 
 OUT = Path(__file__).resolve().parent / "results" / "update_profile"
-THREAD_NAME = re.compile(r"p\d+-([a-z]+)")
+#: p<rank>-<role>[-<k>]: main, comm, worker-k, heartbeat, link-delay (parties/runtime.py)
+THREAD_NAME = re.compile(r"p\d+-([a-z]+)(?:-[a-z0-9]+)?")
 #: thread role -> colour, fixed in every figure
 ROLES = {"main": "tab:blue", "comm": "tab:red", "worker": "tab:green", "heartbeat": "tab:gray",
          "link": "tab:purple"}
@@ -52,12 +53,15 @@ def _parent(pid: str) -> str | None:
 class ThreadSampler:
     """Polls ``/proc/*/task/*/stat`` for threads named ``p<rank>-<role>`` of this process's descendants
     (the ranks under our ``mpiexec``, not another job's) and keeps, per thread, the last CPU time seen
-    (user + system): a rank's threads are read until its process is gone."""
+    (user + system): a rank's threads are read until its process is gone. A main thread's CPU counts
+    from the first sample that sees its rank's comm thread, which starts after data loading and the
+    kernels' compilation: that start-up varies from job to job more than a run's training costs."""
 
     def __init__(self, period: float = 0.1) -> None:
         self.period = period
         self.last: dict[tuple[str, str], tuple[str, float]] = {}
         self._ours: dict[str, bool] = {str(os.getpid()): True}
+        self._main_start: dict[str, float] = {}  # pid -> its main thread's CPU when training began
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -75,6 +79,7 @@ class ThreadSampler:
             self._stop.wait(self.period)
 
     def sample(self) -> None:
+        seen: dict[str, dict[str, float]] = defaultdict(dict)  # pid -> role -> CPU, this sample
         for task in Path("/proc").glob("[0-9]*/task/[0-9]*/stat"):
             try:
                 head, tail = task.read_text().rsplit(")", 1)
@@ -85,6 +90,10 @@ class ThreadSampler:
                 fields = tail.split()
                 cpu = (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
                 self.last[(task.parts[2], task.parts[4])] = (match.group(1), cpu)
+                seen[task.parts[2]][match.group(1)] = cpu
+        for pid, roles in seen.items():
+            if pid not in self._main_start and "comm" in roles and "main" in roles:
+                self._main_start[pid] = roles["main"]
 
     def _descends(self, pid: str) -> bool:
         chain = []
@@ -101,8 +110,8 @@ class ThreadSampler:
 
     def by_role(self) -> dict[str, float]:
         roles: dict[str, float] = defaultdict(float)
-        for role, cpu in self.last.values():
-            roles[role] += cpu
+        for (pid, _), (role, cpu) in self.last.items():
+            roles[role] += cpu - (self._main_start.get(pid, 0.0) if role == "main" else 0.0)
         return dict(roles)
 
 
@@ -200,6 +209,7 @@ def write(summary: dict, out: Path) -> None:
     walls = [mean([r["ms_per_update"] for r in summary["profiles"] if r["parties"] == q]) for q in qs]
     ax.plot([str(q) for q in qs], walls, "ko-", label="wall time per update")
     ax.axhline(summary["serial_ms_per_update"], color="black", ls=":", label="serial, one process")
+    ax.set_ylim(0, 1.15 * max(*bottom, *walls))
     ax.set_xlabel(f"parties q (ranks on {summary['cores']} cores)")
     ax.set_ylabel("ms per dominated update")
     ax.set_title(f"Where a B = 1 update goes ({summary['dataset']}, all parties active)")

@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--he-gamma", type=float, default=None,
                    help="γ of the he modes (default 0.5; their step follows a mean over B = 256 rows)")
+    p.add_argument("--he-batch-size", type=int, default=None,
+                   help="B of the he modes (default 256); with --epsilon a larger B divides the same noise "
+                        "by more rows")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     rows = []
@@ -203,7 +206,9 @@ def main(argv: list[str] | None = None) -> None:
                                       "algorithm": args.algorithm, "epochs": args.epochs, "audit": True,
                                       "out": str(work), "progress": False, **MODES[mode],
                                       **({"gamma": args.he_gamma} if args.he_gamma and mode.startswith("he")
-                                         else {})})
+                                         else {}),
+                                      **({"batch_size": args.he_batch_size}
+                                         if args.he_batch_size and mode.startswith("he") else {})})
                 if launch(config, echo=False) != 0:
                     raise RuntimeError(f"{dataset}/{mode}: training failed")
                 last = json.loads((work / "metrics.jsonl").read_text().splitlines()[-1])

@@ -76,7 +76,7 @@ def pick_gamma(ds, blocks, batch: int, base: float, f_star: float) -> float:
 
 def run_cell(dataset: str, name: str, batch: int, p_inflight: int, delay: float, gamma: float,
              serial_time: float | None, *, f_star: float, target: float, epochs: float, time_limit: float,
-             data_dir: str | None) -> dict:
+             data_dir: str | None, parties: int = PARTIES, active: int = ACTIVE) -> dict:
     """One (B, P, delay) job. A run that diverges is retried at γ/2, at most ``RETRIES`` times: P
     requests in flight per dominator add staleness, which the serial run's γ does not allow for. The
     row records the γ that ran and how many halvings it took."""
@@ -84,9 +84,9 @@ def run_cell(dataset: str, name: str, batch: int, p_inflight: int, delay: float,
             "serial_time_to_target": serial_time}
     for halvings in range(RETRIES + 1):
         step = gamma / 2 ** halvings
-        config = job_config(dataset, "logistic", "svrg", step, f_star=f_star, parties=PARTIES, active=ACTIVE,
-                            lam=LAM, batch_size=batch, inflight=p_inflight, link_delay_ms=delay,
-                            epochs=epochs, eval_every=0.25, target_suboptimality=target,
+        config = job_config(dataset, "logistic", "svrg", step, f_star=f_star, parties=parties, active=active,
+                            allow_two_parties=parties == 2, lam=LAM, batch_size=batch, inflight=p_inflight,
+                            link_delay_ms=delay, epochs=epochs, eval_every=0.25, target_suboptimality=target,
                             time_limit=time_limit, data_dir=data_dir)
         load_now = os.getloadavg()[0]
         row = {**base, "gamma": step, "halvings": halvings, "load": load_now}
@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--target", type=float, default=None, help="sub-optimality (default 1e-3)")
     p.add_argument("--time-limit", type=float, default=None, help="seconds of training per job (90)")
     p.add_argument("--epochs", type=float, default=None, help="epoch budget per job (default 20)")
+    p.add_argument("--parties", type=int, default=PARTIES,
+                   help=f"q (default {PARTIES}; 2 puts one rank on each core of a 2-core machine)")
+    p.add_argument("--active", type=int, default=ACTIVE, help=f"m (default {ACTIVE})")
     args = p.parse_args(argv)
     out = output_dir(args, NAME)
     quick = args.quick
@@ -132,13 +135,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     time_limit = args.time_limit or (20.0 if quick else 90.0)
     epochs = args.epochs or (3.0 if quick else 20.0)
     meta = {"command": command_line(NAME, argv), "cpu": cpu_model(), "load_before": os.getloadavg(),
-            "target": target, "time_limit": time_limit}
+            "target": target, "time_limit": time_limit, "parties": args.parties, "active": args.active}
     rows: list[dict] = []
     for dataset in datasets:
         name = get_spec(dataset).name
         ds = load(dataset, seed=0, data_dir=args.data_dir)
         f_star = nonf(dataset, "logistic", LAM, 0, data_dir=args.data_dir, cache=nonf_cache(args, out)).f_star
-        blocks = random_blocks(ds.n_features, PARTIES, seed=0)
+        blocks = random_blocks(ds.n_features, args.parties, seed=0)
         base = gamma_for(name, "svrg", default=0.05)
         for batch in batches:
             gamma = pick_gamma(ds, blocks, batch, base, f_star)
@@ -149,10 +152,37 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for delay in delays:
                     rows.append(run_cell(dataset, name, batch, p_inflight, delay, gamma, serial_time,
                                          f_star=f_star, target=target, epochs=epochs, time_limit=time_limit,
-                                         data_dir=args.data_dir))
+                                         data_dir=args.data_dir, parties=args.parties, active=args.active))
     meta["load_after"] = os.getloadavg()
     write(rows, meta, out)
     return rows
+
+
+def best_cells(rows: list[dict], meta: dict) -> str:
+    """The summary the README shows: per data set, B and delay, the fastest P to the target (its time,
+    and the federation cost at no delay), and the issue's two ratios."""
+    lines = []
+    for dataset in sorted({r["dataset"] for r in rows}):
+        delays = sorted({r["delay_ms"] for r in rows if r["dataset"] == dataset})
+        lines += [f"**{dataset}**: time to {meta['target']:g} with the best P (P, federation cost)", "",
+                  "| B | serial | " + " | ".join(f"delay {d:g} ms" for d in delays) + " |",
+                  "|---|---|" + "---|" * len(delays)]
+        for batch in sorted({r["batch"] for r in rows if r["dataset"] == dataset}):
+            mine = [r for r in rows if r["dataset"] == dataset and r["batch"] == batch]
+            cells = []
+            for delay in delays:
+                reached = [r for r in mine if r["delay_ms"] == delay and r.get("time_to_target") is not None]
+                if not reached:
+                    cells.append(f"> {meta['time_limit']:g} s")
+                    continue
+                best = min(reached, key=lambda r: r["time_to_target"])
+                cells.append(f"{best['time_to_target']:.2f} s (P = {best['inflight']}, "
+                             f"{best['time_to_target'] / best['serial_time_to_target']:.1f}×)")
+            serial = mine[0].get("serial_time_to_target")
+            lines.append(f"| {batch} | {'—' if serial is None else f'{serial:.2f} s'} | " + " | ".join(cells)
+                         + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def write(rows: list[dict], meta: dict, out) -> None:
@@ -174,9 +204,10 @@ def write(rows: list[dict], meta: dict, out) -> None:
           (seconds(r.get("time_to_target"), meta["time_limit"])
            if r["status"] in ("reached", "not reached") else r["status"]),
           seconds(r.get("serial_time_to_target")), fmt(r.get("federation_cost"))] for r in rows])
-    header = (f"`{meta['command']}` — VFB²-SVRG, q = {PARTIES}, m = {ACTIVE}, λ = {LAM:g}; {meta['cpu']}, "
+    header = (f"`{meta['command']}` — VFB²-SVRG, q = {meta.get('parties', PARTIES)}, "
+              f"m = {meta.get('active', ACTIVE)}, λ = {LAM:g}; {meta['cpu']}, "
               f"load {meta['load_before'][0]:.1f} → {meta['load_after'][0]:.1f} (per job: results.csv)\n\n")
-    (out / "table.md").write_text(header + table)
+    (out / "table.md").write_text(header + table + "\n\n" + best_cells(rows, meta))
     datasets = sorted({r["dataset"] for r in rows})
     fig, axes = plt.subplots(1, len(datasets), figsize=(max(8.0, 5.5 * len(datasets)), 5), squeeze=False)
     for ax, dataset in zip(axes[0], datasets, strict=True):

@@ -110,3 +110,16 @@ def test_the_update_profile_sees_each_threads_cpu_by_its_name(tmp_path):
     assert long["cpu_by_role"]["comm"] > short["cpu_by_role"]["comm"]
     assert summary["profiles"][0]["cpu_ms_per_update"]["comm"] > 0 and summary["serial_ms_per_update"] > 0
     assert {p.name for p in tmp_path.iterdir()} == {"results.json", "table.md", "profile.png"}
+
+
+def test_the_batches_benchmark_reports_a_federation_cost_beside_its_serial_run(tmp_path):
+    from experiments.vfb2_batches import main
+
+    rows = main(["--quick", "--datasets", "breast-cancer", "--batches", "8", "--inflight", "1",
+                 "--delays", "0", "--target", "0.1", "--epochs", "6", "--out", str(tmp_path)])
+    (row,) = rows
+    assert row["status"] == "reached" and row["halvings"] == 0
+    assert row["federation_cost"] == pytest.approx(row["time_to_target"] / row["serial_time_to_target"])
+    assert row["federation_cost"] > 1  # messages cost something: a federation is never free
+    written = {p.name for p in tmp_path.iterdir()}
+    assert {"results.csv", "results.json", "table.md", "time_to_target.png"} <= written
