@@ -57,7 +57,7 @@ class ThreadSampler:
     from the first sample that sees its rank's comm thread, which starts after data loading and the
     kernels' compilation: that start-up varies from job to job more than a run's training costs."""
 
-    def __init__(self, period: float = 0.1) -> None:
+    def __init__(self, period: float = 0.05) -> None:
         self.period = period
         self.last: dict[tuple[str, str], tuple[str, float]] = {}
         self._ours: dict[str, bool] = {str(os.getpid()): True}

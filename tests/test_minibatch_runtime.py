@@ -102,8 +102,8 @@ def test_the_update_profile_sees_each_threads_cpu_by_its_name(tmp_path):
     profile can split a job's CPU by role; a longer job costs more CPU in its communication threads."""
     from experiments.bench_update_profile import main
 
-    summary = main(["--dataset", "breast-cancer", "--parties", "3", "--repeats", "1", "--short", "1",
-                    "--long", "3", "--out", str(tmp_path)])
+    summary = main(["--dataset", "breast-cancer", "--parties", "3", "--repeats", "1", "--short", "4",
+                    "--long", "12", "--out", str(tmp_path)])
     short, long = summary["jobs"]
     assert {"main", "comm", "worker", "heartbeat"} <= set(long["cpu_by_role"])
     assert long["updates"] > short["updates"] > 0

@@ -56,6 +56,10 @@ def test_a_finished_run_is_not_overwritten_silently(tmp_path):
 @pytest.mark.mpi
 def test_with_a_named_dataset_each_rank_reads_only_its_own_block(tmp_path):
     """The launcher loads the dataset once and writes one file per party; the ranks read only those."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    from parties.loading import load_party
     from tests.test_runtime import CANCER, train
     from vfl.datasets import load, load_party_file
     from vfl.datasets.party_files import find_party_file
@@ -70,3 +74,12 @@ def test_with_a_named_dataset_each_rank_reads_only_its_own_block(tmp_path):
         assert mine.source.is_dir()  # the memory-mappable layout: the rank maps its block
         assert list(mine.columns) == list(cols) and mine.X_train.shape == (ds.n_train, len(cols))
         assert mine.has_labels == (rank == 0)
+        # what the rank itself builds from its file (parties.loading, the rank's own code path): its
+        # columns only, its labels only if active; and the block it trained and saved is that wide
+        party = load_party(RunConfig.from_json((tmp_path / "config.json").read_text()), rank)
+        assert party.block.n_cols == party.w.size == len(cols)
+        assert (party.y is not None) == (rank == 0)
+        held = sp.csr_matrix((party.block.data, party.block.indices, party.block.indptr),
+                             shape=(party.block.n_rows, party.block.n_cols))
+        assert abs(held - ds.X_train[:, cols]).max() == 0
+        assert np.load(tmp_path / f"party-{rank}.ckpt.npz")["w"].size == len(cols)
