@@ -135,7 +135,6 @@ def stop_job(comm: MPI.Comm, rank: int, outcome: str, reason: str) -> None:
 OUT_OF_RANGE = "the scores left the secure aggregation's range: the model diverged"
 
 
-
 def name_os_thread(name: str) -> None:
     """Name the calling thread in the OS as well (Linux keeps 15 bytes), so that ``top -H`` and
     ``python -m experiments update_profile`` can tell a party's comm thread from its workers."""
@@ -143,7 +142,6 @@ def name_os_thread(name: str) -> None:
         return
     with contextlib.suppress(OSError, AttributeError):  # no prctl in this libc: names are a convenience
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
-
 
 
 class PassBatches:
