@@ -76,7 +76,7 @@ class RunConfig:
     label_privacy: str = "none"
     epsilon: float | None = None
     delta: float = 1e-5
-    #: --label-privacy he --epsilon: σ of the Gaussian noise, set by validation from (ε, δ, n, B, steps)
+    #: --label-privacy he --epsilon: σ of the Gaussian noise, derived by validation from (ε, δ, passes)
     noise_multiplier: float | None = None
     he_scheme: str = "ou"
     he_key_bits: int = 2048
@@ -221,6 +221,9 @@ def validate(config: RunConfig) -> RunConfig:
                               "drop --target-suboptimality / --f-star")
     elif c.epsilon is not None and c.label_privacy != "he":
         raise ConfigError("--epsilon needs --label-privacy dp or he")
+    if c.noise_multiplier is not None and (c.label_privacy != "he" or c.epsilon is None):
+        raise ConfigError("noise_multiplier is derived from --label-privacy he --epsilon; it cannot be set "
+                          "on its own (the noise would have no accounting)")
     if c.label_privacy == "he":
         _validate_he(c)
     if c.channel_keys is not None and not c.secure_channels:
@@ -299,7 +302,7 @@ def check_he_batch(c: RunConfig, widest_passive_block: int, n_train: int) -> Non
                           f"{min_batch(widest_passive_block)} here (got {c.batch_size}): a passive block "
                           f"has {widest_passive_block} columns, and with B ≤ that its batch gradient "
                           "X_Bᵀϑ determines ϑ")
-    if c.label_privacy == "he" and c.epsilon is not None and c.noise_multiplier is None:
+    if c.label_privacy == "he" and c.epsilon is not None:  # always derived: never a stale value
         from vfl.label_privacy import gaussian_noise_multiplier
 
         c.noise_multiplier = gaussian_noise_multiplier(c.epsilon, c.delta, c.label_dp_releases(n_train))

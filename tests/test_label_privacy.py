@@ -114,3 +114,7 @@ def test_noisy_he_refuses_what_the_accounting_does_not_cover():
             validate(RunConfig(**{**base, **bad}))
     with pytest.raises(ConfigError, match="--epsilon needs --label-privacy dp or he"):
         validate(RunConfig(dataset="breast-cancer", parties=3, epsilon=1.0))
+    with pytest.raises(ConfigError, match="no accounting"):  # a σ without the ε it was derived for
+        validate(RunConfig(**{**base, "epsilon": None, "noise_multiplier": 0.5}))
+    stale = RunConfig(**{**base, "noise_multiplier": 0.01})  # a config.json edited after validation
+    assert validate(stale).noise_multiplier == config.noise_multiplier
