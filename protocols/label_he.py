@@ -244,11 +244,10 @@ def add_noise(words: np.ndarray, noise: np.ndarray, fraction_bits: int) -> np.nd
     if not np.all(np.abs(noise) < 2.0**VALUE_BITS):  # NaN too: the fixed point must not wrap
         raise OverflowError(f"label-DP noise left ±2^{VALUE_BITS}")
     full = 1 << RETURN_BITS
-    pairs = words.reshape(-1, 2).tolist()
+    values = _from_words(-1, words, noise.size)  # our own decryption: the shape is checked above
     # a float64 times 2^k is an exact integer: the noise keeps its 53 bits, the sum is exact mod 2^128
     offsets = np.rint(noise * 2.0**fraction_bits).tolist()
-    return _to_words([((lo | (hi << 64)) + int(o)) % full
-                      for (lo, hi), o in zip(pairs, offsets, strict=True)])
+    return _to_words([(v + int(o)) % full for v, o in zip(values, offsets, strict=True)])
 
 
 def _first_line(err: Exception) -> str:
