@@ -44,7 +44,6 @@ from vfl.datasets import load
 from vfl.hfl import FederatedData, MetricsLog, dirichlet_partition, iid_partition, labels_per_client_partition
 from vfl.hfl.cnn import Table4CNN
 from vfl.hfl.fedbat import FedBAT, FederatedCNN, LocalTraining, Method
-from vfl.hfl.fedpaq import FedPAQ
 from vfl.hfl.signsgd import (
     EFSignSGD,
     FedPAQUpdate,
@@ -117,7 +116,7 @@ def make_method(run: Run, alpha_clamp: tuple[float, float] | None = None) -> Met
         "noisy-signsgd": lambda: NoisySignSGD(CODEC, alpha=0.01, sigma=0.01),
         "stoc-signsgd": lambda: StocSignSGD(CODEC, alpha=0.01),
         # QSGD with s = 2^(b-1) - 1 = 7 levels: 4 bits per weight (one sign bit and three level bits)
-        "fedpaq": lambda: FedPAQUpdate(CODEC, FedPAQ(get_compressor("dithering", levels=7))),
+        "fedpaq": lambda: FedPAQUpdate(CODEC, get_compressor("dithering", levels=7)),
         "fedbat": lambda: FedBAT(CODEC, rho=run.rho, phi=run.phi, alpha_clamp=alpha_clamp),
     }
     return factories[run.method]()

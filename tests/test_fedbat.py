@@ -20,7 +20,6 @@ from vfl.hfl.fedbat import (
     FederatedCNN,
     LocalTrainer,
     LocalTraining,
-    Upload,
     aggregate,
 )
 from vfl.hfl.fedpaq import FedPAQ
@@ -229,7 +228,7 @@ def test_warmup_is_fedavg_and_alpha_prime_is_mean_abs_update() -> None:
     assert all(torch.equal(state[k], frozen[k]) for k in state)                                  # base frozen
     assert upload.info["eps_guard_layers"] == [0.0]
     assert upload.info["alpha"] != upload.info["alpha_prime"]                                    # α learned
-    for update, alpha in zip(upload.update, upload.info["alpha"], strict=True):
+    for update, alpha in zip(bat.decode(upload.payload, trainer.shapes), upload.info["alpha"], strict=True):
         assert torch.equal(update.abs(), torch.full_like(update, alpha))
 
 
@@ -240,7 +239,7 @@ def test_clients_are_stateless_and_reproducible() -> None:
     bat = FedBAT(CODEC)
     runs = [bat.client(trainer, state, 0, torch.Generator().manual_seed(3), torch.Generator().manual_seed(4))
             for _ in range(2)]
-    assert all(torch.equal(a, b) for a, b in zip(runs[0].update, runs[1].update, strict=True))
+    assert runs[0].payload == runs[1].payload
     assert runs[0].info == runs[1].info
 
 
@@ -262,20 +261,21 @@ def test_aggregation_is_eq11_with_sample_weights() -> None:
     names = binarized_names(model)
     gen = torch.Generator().manual_seed(0)
 
-    def upload(n: int, alphas: list[float]) -> Upload:
-        update = [a * torch.where(torch.rand(state[k].shape, generator=gen) < 0.5, -1.0, 1.0)
-                  for k, a in zip(names, alphas, strict=True)]
-        extras = {k: v + n for k, v in state.items() if k not in names}
-        return Upload(update, 0, extras, n, 0.0)
+    def update(alphas: list[float]) -> list[torch.Tensor]:
+        return [a * torch.where(torch.rand(state[k].shape, generator=gen) < 0.5, -1.0, 1.0)
+                for k, a in zip(names, alphas, strict=True)]
 
-    ups = [upload(10, [0.1, 0.2, 0.3]), upload(30, [0.01, 0.02, 0.03])]
-    new = aggregate(state, names, ups)
+    def extras(n: int) -> dict[str, torch.Tensor]:
+        return {k: v + n for k, v in state.items() if k not in names}
+
+    updates = [update([0.1, 0.2, 0.3]), update([0.01, 0.02, 0.03])]
+    new = aggregate(state, names, updates, [extras(10), extras(30)], [10, 30])
     for i, k in enumerate(names):
-        torch.testing.assert_close(new[k], state[k] + 0.25 * ups[0].update[i] + 0.75 * ups[1].update[i])
+        torch.testing.assert_close(new[k], state[k] + 0.25 * updates[0][i] + 0.75 * updates[1][i])
     bn = "features.1.running_mean"
     torch.testing.assert_close(new[bn], state[bn] + 25.0)
-    single = aggregate(state, names, ups[:1])
-    assert all(torch.equal(single[k], state[k] + ups[0].update[i]) for i, k in enumerate(names))
+    single = aggregate(state, names, updates[:1], [extras(10)], [10])
+    assert all(torch.equal(single[k], state[k] + updates[0][i]) for i, k in enumerate(names))
 
 
 def test_unbiased_upload_with_infinity_norm_step_size() -> None:
@@ -366,7 +366,7 @@ def test_ef_signsgd_error_memory_telescopes_and_is_per_client() -> None:
 
 
 def test_fedpaq_adapter_uses_the_injected_unbiased_quantizer() -> None:
-    method = FedPAQUpdate(CODEC, FedPAQ(get_compressor("dithering", levels=7)))
+    method = FedPAQUpdate(CODEC, get_compressor("dithering", levels=7))
     m = updates()
     gen = torch.Generator().manual_seed(0)
     mean = [torch.zeros(s) for s in SHAPES]

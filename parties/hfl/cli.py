@@ -38,10 +38,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--dirichlet-alpha", type=float, default=d.dirichlet_alpha)
     p.add_argument("--model", default=d.model, help=" | ".join(MODELS))
     p.add_argument("--hidden", type=_widths, default=d.hidden, help="MLP hidden widths, e.g. 256,128")
+    p.add_argument("--widths", type=_widths, default=d.widths,
+                   help="--model cnn: channels of its conv stages (one 2x2 pooling each), e.g. 8,16,32")
     p.add_argument("--dtype", default=d.dtype, help="float32 | float64")
     p.add_argument("--clients", type=int, default=d.clients, help="N, logical clients")
     p.add_argument("--per-round", type=int, default=d.per_round, help="S, clients sampled per round")
-    p.add_argument("--local-steps", type=int, default=d.local_steps, help="K, local SGD steps")
+    p.add_argument("--local-steps", type=int, default=d.local_steps, help="K, local SGD steps (flat models)")
+    p.add_argument("--local-epochs", type=int, default=d.local_epochs,
+                   help="E, local epochs over each client's rows (--model cnn)")
     p.add_argument("--lr-local", type=float, default=d.lr_local, help="η_l")
     p.add_argument("--lr-global", type=float, default=d.lr_global, help="η_g")
     p.add_argument("--batch-size", type=int, default=d.batch_size)

@@ -1,10 +1,15 @@
 """What a horizontal-FL job is: :class:`HflConfig`, its validation (every error is raised before any rank
-starts) and what every rank builds from it: the algorithm, the model and the partitioned training data."""
+starts) and what every rank builds from it: the algorithm, the model and the partitioned training data.
+
+``--model cnn`` selects the layered backbone (FedBAT's BatchNorm CNN, :data:`vfl.hfl.LAYERED_METHODS`:
+local epochs, n_k-weighted aggregation, layered messages); the other models run
+:data:`vfl.hfl.ALGORITHMS` on flat parameter vectors."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,15 +17,17 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from torch import nn
 
 from parties.config import ConfigError
 from parties.hfl.client_files import inspect_client_files
 from parties.hfl.wire import FLOAT_DTYPES
 from protocols.compression import Compressor, get_compressor
+from protocols.compression.layers import LayerCodec
 from vfl.hfl import (
     ALGORITHMS,
+    LAYERED_METHODS,
     MLP,
-    Algorithm,
     FederatedData,
     FLConfig,
     LeastSquares,
@@ -32,9 +39,12 @@ from vfl.hfl import (
     softmax_regression,
 )
 from vfl.hfl.base import Compressor as CompressorOption
+from vfl.hfl.cnn import Table4CNN
+from vfl.hfl.fedbat import LocalTraining, Method
 from vfl.hfl.models import BatchedModel
 
-MODELS = ("softmax", "mlp", "least-squares")
+MODELS = ("softmax", "mlp", "least-squares", "cnn")
+LAYERED_MODELS = ("cnn",)
 PARTITIONS = ("shards", "dirichlet", "iid")
 
 
@@ -53,6 +63,8 @@ class HflConfig:
     dirichlet_alpha: float = 0.5
     model: str = "softmax"
     hidden: list[int] = field(default_factory=lambda: [256, 128])
+    widths: list[int] = field(default_factory=lambda: [8, 16, 32])
+    local_epochs: int = 1
     dtype: str = "float32"
     clients: int = 20
     per_round: int = 5
@@ -85,6 +97,20 @@ class HflConfig:
     def fl(self) -> FLConfig:
         return FLConfig(self.clients, self.per_round, self.local_steps, self.lr_local, self.lr_global)
 
+    @property
+    def layered(self) -> bool:
+        """Whether the job runs the layered backbone (FedBAT's CNN) instead of flat vectors."""
+        return self.model in LAYERED_MODELS
+
+    @property
+    def local_training(self) -> LocalTraining:
+        """The layered backbone's local work: E epochs of batch B at η_l."""
+        return LocalTraining(self.local_epochs, self.batch_size, self.lr_local)
+
+    @property
+    def registry(self) -> dict[str, type[Any]]:
+        return LAYERED_METHODS if self.layered else ALGORITHMS
+
 
 def parse_compressor(spec: str) -> Compressor:
     """``"top-r:r=0.01"`` / ``"dithering:bits=2"`` / ``"identity"`` → a compressor (ValueError if bad)."""
@@ -106,30 +132,57 @@ def _number(text: str) -> int | float:
 
 
 def option_names() -> dict[str, str]:
-    """Every option of the registered algorithms but the compressor (which has its own syntax): option
-    name → which algorithms take it and its values, for ``--help``. The command line offers one flag
-    per name."""
+    """Every option of the registered algorithms but the compressor (which has its own syntax) and the
+    injected layered codec: option name → which algorithms take it and its values, for ``--help``. The
+    command line offers one flag per name."""
     takers: dict[str, list[str]] = {}
     values: dict[str, str] = {}
-    for name, cls in sorted(ALGORITHMS.items()):
-        types = typing.get_type_hints(cls)
-        for option in options(cls):
-            if option != "compressor":
-                takers.setdefault(option, []).append(name)
-                kind = types[option]
-                literal = typing.get_origin(kind) is Literal
-                values[option] = " | ".join(typing.get_args(kind)) if literal else kind.__name__
+    for label, registry in (("", ALGORITHMS), (" (cnn)", LAYERED_METHODS)):
+        for name, cls in sorted(registry.items()):
+            types = typing.get_type_hints(cls)
+            for option in _settable(cls):
+                if option != "compressor":
+                    takers.setdefault(option, []).append(name + label)
+                    values[option] = _type_name(types[option])
     return {option: f"{', '.join(algorithms)}: {values[option]}" for option, algorithms in takers.items()}
 
 
-def build_algorithm(config: HflConfig) -> Algorithm[Any, Any]:
-    """The algorithm object from its options dataclass: every given option converted to the field's
+def _settable(cls: type[Any]) -> dict[str, dataclasses.Field[Any]]:
+    """The options a user sets: the dataclass fields taken by the constructor, less the injected codec."""
+    return {name: f for name, f in options(cls).items() if f.init and name != "codec"}
+
+
+def _type_name(kind: Any) -> str:
+    kind = _unwrap_optional(kind)
+    if typing.get_origin(kind) is Literal:
+        return " | ".join(typing.get_args(kind))
+    if typing.get_origin(kind) is tuple:
+        return ",".join(a.__name__ for a in typing.get_args(kind))
+    return getattr(kind, "__name__", str(kind))
+
+
+def _unwrap_optional(kind: Any) -> Any:
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    return args[0] if type(None) in typing.get_args(kind) and len(args) == 1 else kind
+
+
+def build_algorithm(config: HflConfig) -> Any:
+    """The algorithm object from its options dataclass (a :class:`vfl.hfl.Algorithm`, or a layered
+    :class:`vfl.hfl.fedbat.Method` with ``--model cnn``): every given option converted to the field's
     type; an option the algorithm does not take, or a required one missing, is an error."""
-    if config.algorithm not in ALGORITHMS:
-        raise ConfigError(f"unknown --algorithm {config.algorithm!r}; choose one of "
-                          f"{', '.join(sorted(ALGORITHMS))}")
-    cls = ALGORITHMS[config.algorithm]
-    fields, types = options(cls), typing.get_type_hints(cls)
+    registry = config.registry
+    if config.algorithm not in registry:
+        other = ALGORITHMS if config.layered else LAYERED_METHODS
+        hint = ""
+        if config.algorithm in other:
+            hint = (f" ({config.algorithm} runs on the flat models: --model softmax, mlp or least-squares)"
+                    if config.layered
+                    else f" ({config.algorithm} runs on the BatchNorm CNN: add --model cnn)")
+        models = "--model cnn" if config.layered else f"--model {config.model}"
+        raise ConfigError(f"unknown --algorithm {config.algorithm!r} for {models}{hint}; choose one of "
+                          f"{', '.join(sorted(registry))}")
+    cls = registry[config.algorithm]
+    fields, types = _settable(cls), typing.get_type_hints(cls)
     given = dict(config.options)
     if config.compressor is not None:
         given["compressor"] = config.compressor
@@ -144,13 +197,16 @@ def build_algorithm(config: HflConfig) -> Algorithm[Any, Any]:
             raise ConfigError(f"{flag} {text!r}: {err}") from None
     for name, f in fields.items():
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if required and name not in kwargs:
+        if (required or (name == "compressor" and f.default is None)) and name not in kwargs:
             example = " (e.g. top-r:r=0.01 or dithering:bits=2)" if name == "compressor" else ""
             raise ConfigError(f"{config.algorithm} needs {_flag(name)}{example}")
     try:
+        if config.layered:
+            method: Method = cls(LayerCodec(), **kwargs)
+            return method
         return make_algorithm(config.algorithm, **kwargs)
     except (TypeError, ValueError) as err:
-        raise ConfigError(str(err)) from None
+        raise ConfigError(f"{config.algorithm}: {err}") from None
 
 
 def _flag(option: str) -> str:
@@ -159,6 +215,7 @@ def _flag(option: str) -> str:
 
 def _convert(text: str, kind: Any) -> Any:
     """A command-line string as a value of an option's declared type."""
+    kind = _unwrap_optional(kind)
     if kind is CompressorOption:
         return parse_compressor(text)
     if typing.get_origin(kind) is Literal:
@@ -170,6 +227,12 @@ def _convert(text: str, kind: Any) -> Any:
         if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
             raise ValueError("expected true or false")
         return text.lower() in ("true", "1", "yes")
+    if typing.get_origin(kind) is tuple:
+        parts = text.split(",")
+        if len(parts) != len(typing.get_args(kind)):
+            raise ValueError(f"expected {len(typing.get_args(kind))} comma-separated numbers")
+        kinds = typing.get_args(kind)
+        return tuple(_convert(part.strip(), part_kind) for part, part_kind in zip(parts, kinds, strict=True))
     if kind in (int, float):
         try:
             return kind(text)
@@ -180,12 +243,21 @@ def _convert(text: str, kind: Any) -> Any:
 
 def build_model(config: HflConfig) -> BatchedModel:
     assert config.n_features is not None, "validate() fills n_features"
+    assert not config.layered, "the layered backbone's model is build_cnn's"
     if config.model == "least-squares":
         return LeastSquares(config.n_features)
     assert config.n_classes is not None
     if config.model == "softmax":
         return softmax_regression(config.n_features, config.n_classes)
     return MLP(config.n_features, tuple(config.hidden), config.n_classes)
+
+
+def build_cnn(config: HflConfig) -> nn.Module:
+    """FedBAT's Table 4 CNN on square grey-scale images of ``n_features`` pixels, ``--widths`` channels
+    (its conv weights are re-drawn from the seed's init stream by the simulation and every rank alike)."""
+    assert config.n_features is not None and config.n_classes is not None, "validate() fills them"
+    side = math.isqrt(config.n_features)
+    return Table4CNN(1, config.n_classes, image_size=side, widths=config.widths)
 
 
 def client_blocks(n_clients: int, processes: int) -> list[np.ndarray]:
@@ -247,6 +319,8 @@ def validate(config: HflConfig) -> HflConfig:
         raise ConfigError(f"unknown --partition {c.partition!r}; choose one of {', '.join(PARTITIONS)}")
     if c.model == "mlp" and (not c.hidden or min(c.hidden) < 1):
         raise ConfigError(f"--hidden must list positive layer widths (got {c.hidden})")
+    if c.layered:
+        _check_layered(c)
     build_algorithm(c)
     n_features, n_classes = (inspect_client_files(Path(c.client_files), c.processes, c.clients)
                              if c.client_files else _inspect_dataset(c))
@@ -254,7 +328,29 @@ def validate(config: HflConfig) -> HflConfig:
         data_kind = "regression targets" if n_classes == 0 else "class labels"
         raise ConfigError(f"--model {c.model} does not fit data with {data_kind}: use "
                           f"{'least-squares' if n_classes == 0 else 'softmax or mlp'}")
+    if c.layered:
+        side = math.isqrt(n_features)
+        if side * side != n_features:
+            raise ConfigError(f"--model cnn needs square grey-scale images; the data has {n_features} "
+                              "features a row")
+        if side >> len(c.widths) < 1:
+            raise ConfigError(f"--widths {','.join(map(str, c.widths))}: {len(c.widths)} pooling stages are "
+                              f"too many for {side}x{side} images (at most {side.bit_length() - 1})")
     return dataclasses.replace(c, n_features=n_features, n_classes=n_classes or None)
+
+
+def _check_layered(c: HflConfig) -> None:
+    """What the layered backbone cannot take (FedBAT's round has no server step size; its model is
+    float32; its local work is epochs, not steps)."""
+    if c.dtype != "float32":
+        raise ConfigError("--model cnn trains in float32 (the CNN's parameters); drop --dtype float64")
+    if c.lr_global != 1.0:
+        raise ConfigError("--model cnn aggregates with sample weights and no server step (FedBAT's Eq. 11); "
+                          "drop --lr-global")
+    if c.local_epochs < 1:
+        raise ConfigError(f"--local-epochs must be at least 1 (got {c.local_epochs})")
+    if not c.widths or min(c.widths) < 1:
+        raise ConfigError(f"--widths must list positive channel counts (got {c.widths})")
 
 
 def _inspect_dataset(c: HflConfig) -> tuple[int, int]:

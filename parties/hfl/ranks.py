@@ -16,12 +16,22 @@ import torch
 from parties.config import ConfigError
 from parties.hfl.client import ClientProcess
 from parties.hfl.client_files import Shard, client_file_name, load_client_file
-from parties.hfl.config import HflConfig, build_algorithm, build_model, client_blocks, load_training_data
+from parties.hfl.config import (
+    HflConfig,
+    build_algorithm,
+    build_cnn,
+    build_model,
+    client_blocks,
+    load_training_data,
+)
 from parties.hfl.job import _Job
+from parties.hfl.layered import LayeredClientProcess, LayeredServerRank, share_client_sizes
 from parties.hfl.server import Server
 from parties.hfl.wire import SERVER
 from vfl.hfl import FederatedData, MetricsLog
+from vfl.hfl.cnn import init_weights
 from vfl.hfl.engine import Streams
+from vfl.hfl.fedbat import LocalTrainer
 
 
 def _load_shard(config: HflConfig, process: int) -> Shard:
@@ -57,6 +67,9 @@ def run_job(comm: Any, config: HflConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"party-{rank}.pid").write_text(str(os.getpid()))
     shard = None if rank == SERVER else _load_shard(config, rank - 1)
+    if config.layered:
+        _run_layered(comm, config, shard)
+        return
     model = build_model(config)
     if shard is not None:
         model.check_data(shard.data.X, shard.data.y, f"client process {rank - 1}'s data")
@@ -77,6 +90,26 @@ def run_job(comm: Any, config: HflConfig) -> None:
         return
     del stores
     server = Server(job, server_state, [torch.tensor(h) for h in hosts[1:]], _server_test_set(config))
+    _serve_rounds(server, config)
+
+
+def _run_layered(comm: Any, config: HflConfig, shard: Shard | None) -> None:
+    """The layered backbone's job (``--model cnn``): every rank builds the CNN and the method from the
+    config; the server initialises the weights from the seed's init stream, as the simulation does."""
+    streams = Streams.from_seed(config.seed, config.clients)
+    model, method = build_cnn(config), build_algorithm(config)
+    hosts = _gather_hosts(comm, None if shard is None else shard.client_ids, config.clients)
+    if comm.Get_rank() == SERVER:
+        _check_hosts(hosts, config.clients)
+    sizes = share_client_sizes(comm, hosts, shard, config.clients)
+    if shard is not None:
+        trainer = LocalTrainer(model, shard.data, config.local_training)
+        template = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        LayeredClientProcess(comm, config, method, trainer, shard, streams, sizes, template).serve()
+        return
+    init_weights(model, streams.init)
+    server = LayeredServerRank(comm, config, method, model, streams, [h or [] for h in hosts[1:]], sizes,
+                               _server_test_set(config))
     _serve_rounds(server, config)
 
 
@@ -111,7 +144,7 @@ def _check_hosts(hosts: list[list[int] | None], n_clients: int) -> None:
                           f"they host {ids}")
 
 
-def _serve_rounds(server: Server, config: HflConfig) -> None:
+def _serve_rounds(server: Server | LayeredServerRank, config: HflConfig) -> None:
     from tqdm.auto import tqdm
 
     out = Path(config.out)
@@ -123,7 +156,7 @@ def _serve_rounds(server: Server, config: HflConfig) -> None:
         for t in range(config.rounds):
             record = server.step()
             if config.trajectory:
-                for name, tensor in server.state.tensors().items():
+                for name, tensor in server.tensors().items():
                     trajectory.setdefault(name, []).append(tensor.clone())
             if (t + 1) % config.eval_every == 0 or t + 1 == config.rounds:
                 record |= server.evaluate()
@@ -133,7 +166,7 @@ def _serve_rounds(server: Server, config: HflConfig) -> None:
             bar.update()
     bar.close()
     server.stop()
-    np.savez(out / "model.npz", **{k: v.numpy() for k, v in server.state.tensors().items()})
+    np.savez(out / "model.npz", **{k: v.numpy() for k, v in server.tensors().items()})
     if config.trajectory:
         np.savez(out / "trajectory.npz", **{k: torch.stack(v).numpy() for k, v in trajectory.items()})
     shown = ", ".join(f"{k} {v:.4g}" for k, v in record.items() if k.startswith(("train_", "test_")))

@@ -108,6 +108,10 @@ class Server:
               for k, v in values.items()}
         return up, loss_sum, draws.pop()
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The server state to save (``model.npz``, the trajectory)."""
+        return self.state.tensors()
+
     def evaluate(self) -> dict[str, float]:
         """Training loss/accuracy summed over the client processes' rows; test metrics at the server."""
         comm, x = self.job.comm, self.state.x

@@ -164,6 +164,10 @@ class Compressor(ABC):
         header, body = self._open(payload)
         return self._decompress_rows([header.variant], [body], header.d, header.dtype)[0]
 
+    def decompress_bytes(self, data: bytes) -> torch.Tensor:
+        """Decode one message from the bytes that arrived (a ValueError if they are not this codec's)."""
+        return self.decompress(Payload(bytes(data)))
+
     def compress_batch(self, X: torch.Tensor, generators: Sequence[torch.Generator | None] | None = None
                        ) -> list[Payload]:
         """``compress(X[s], generators[s])`` for every row of ``[S, d]``, vectorised across rows."""

@@ -6,6 +6,17 @@ runs the sampled clients as one batched computation.
 
 Compressors come from ``protocols.compression`` and are injected: ``vfl`` never imports ``protocols``.
 An algorithm is one dataclass in one file (its fields are its options), registered below by name.
+
+Two backbones, one registry each:
+
+- :data:`ALGORITHMS` run on flat parameter vectors of the batched models (``models.py``): the round
+  protocol of :mod:`vfl.hfl.base`, simulated by :class:`FederatedSimulation`;
+- :data:`LAYERED_METHODS` run on a ``torch.nn`` model with BatchNorm (FedBAT's CNN): local epochs on the
+  FedAvg backbone, then a layered uplink (:mod:`vfl.hfl.fedbat`), simulated by
+  :class:`~vfl.hfl.fedbat.FederatedCNN`. FedAvg and FedPAQ appear in both: on this backbone they are
+  the same rules with the layered message format (FedPAQ's quantizer is validated by :class:`FedPAQ`).
+
+Both run under MPI with ``python -m parties.hfl`` (``--model cnn`` selects the layered backbone).
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from vfl.hfl.data import FederatedData
 from vfl.hfl.engine import FederatedSimulation, LocalSolver, MetricsLog
 from vfl.hfl.fed_ef import FedEF
 from vfl.hfl.fedavg import FedAvg
+from vfl.hfl.fedbat import FedBAT, Method
 from vfl.hfl.fedcomgate import FedComGate
 from vfl.hfl.fedpaq import FedPAQ
 from vfl.hfl.isca import Isca
@@ -44,10 +56,16 @@ from vfl.hfl.partitions import (
 from vfl.hfl.scafcom import Scafcom
 from vfl.hfl.scaffold import Scaffold, ScaffoldTwoVector
 from vfl.hfl.scallion import Scallion
+from vfl.hfl.signsgd import EFSignSGD, FedPAQUpdate, FullPrecisionUpdate, NoisySignSGD, SignSGD, StocSignSGD
 
 ALGORITHMS: dict[str, type[Algorithm[Any, Any]]] = {
     cls.name: cls for cls in (FedAvg, ScaffoldTwoVector, Scaffold, Scallion, Scafcom, FedEF, FedComGate,
                                Isca, Iscam, FedPAQ)
+}
+
+LAYERED_METHODS: dict[str, type[Method]] = {
+    cls.name: cls for cls in (FedBAT, FullPrecisionUpdate, SignSGD, EFSignSGD, NoisySignSGD, StocSignSGD,
+                               FedPAQUpdate)
 }
 
 
@@ -66,6 +84,7 @@ def make_algorithm(name: str, **settings: Any) -> Algorithm[Any, Any]:
 
 __all__ = [
     "ALGORITHMS",
+    "LAYERED_METHODS",
     "MLP",
     "Algorithm",
     "Compressor",

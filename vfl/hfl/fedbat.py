@@ -38,7 +38,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
 import torch
@@ -73,15 +73,19 @@ class LocalTraining:
 
 @dataclass
 class Upload:
-    """What one client sends: the decoded update of each binarized tensor, the size in bits of its
-    packed message, its full-precision BN tensors, and its sample count n_k (for p'_k)."""
+    """What one client sends: its packed message exactly as it crosses the wire (the method's
+    :meth:`Method.decode` turns it back into the update), its full-precision BN tensors, its sample count
+    n_k (for p'_k), and the diagnostics the logs show."""
 
-    update: list[torch.Tensor]
-    payload_bits: int
+    payload: bytes
     extras: State
     n_samples: int
     mean_loss: float
     info: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def payload_bits(self) -> int:
+        return 8 * len(self.payload)
 
     @property
     def extras_bits(self) -> int:
@@ -114,6 +118,30 @@ class BinarizationPhase(ABC):
         """The binarized updates S(m_l, α_l) used in this step's forward pass."""
 
 
+@dataclass(frozen=True)
+class ModelLayout:
+    """Which tensors of a model are binarized (conv and linear weights, with their shapes) and which
+    travel in full precision (BN γ/β, then the buffers), in a fixed order both ends derive themselves."""
+
+    names: list[str]
+    shapes: list[torch.Size]
+    extra_params: list[str]
+    buffers: list[str]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelLayout:
+        names = binarized_names(model)
+        state = model.state_dict()
+        binarized = set(names)
+        return cls(names, [state[n].shape for n in names],
+                   [n for n, _ in model.named_parameters() if n not in binarized],
+                   [n for n, _ in model.named_buffers()])
+
+    @property
+    def extras(self) -> list[str]:
+        return [*self.extra_params, *self.buffers]
+
+
 class LocalTrainer:
     """One client's local epochs on a ``torch.nn`` model with autograd, from a global state dict.
 
@@ -126,12 +154,9 @@ class LocalTrainer:
         self.model = model
         self.data = data
         self.training = training
-        self.names = binarized_names(model)
-        state = model.state_dict()
-        self.shapes = [state[n].shape for n in self.names]
-        bin_set = set(self.names)
-        self.extra_params = [n for n, _ in model.named_parameters() if n not in bin_set]
-        self.buffers = [n for n, _ in model.named_buffers()]
+        layout = ModelLayout.of(model)
+        self.names, self.shapes = layout.names, layout.shapes
+        self.extra_params, self.buffers = layout.extra_params, layout.buffers
         self.input_shape = tuple(getattr(model, "input_shape", (data.X.shape[1],)))
         if math.prod(self.input_shape) != data.X.shape[1]:
             raise ValueError(f"model input {self.input_shape} does not match {data.X.shape[1]} features")
@@ -144,10 +169,20 @@ class LocalTrainer:
     def batches(self, client: int, generator: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """E epochs, each a fresh permutation of the client's rows cut into batches of B."""
         X, y = self.data.client(client)
-        for _ in range(self.training.epochs):
-            order = torch.randperm(X.shape[0], generator=generator)
+        for order in self._epoch_orders(X.shape[0], generator):
             for rows in order.split(self.training.batch_size):
                 yield X[rows].view(-1, *self.input_shape), y[rows]
+
+    def skip(self, n_rows: int, generator: torch.Generator) -> None:
+        """Advance ``generator`` exactly as training a client of ``n_rows`` rows would (the data stream is
+        shared by the clients in turn, so a process that does not host a sampled client replays its
+        draws to stay in step)."""
+        for _ in self._epoch_orders(n_rows, generator):
+            pass
+
+    def _epoch_orders(self, n_rows: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+        for _ in range(self.training.epochs):
+            yield torch.randperm(n_rows, generator=generator)
 
     def train(self, global_state: State, client: int, generator: torch.Generator,
               phase: BinarizationPhase | None = None) -> LocalResult:
@@ -208,7 +243,12 @@ class Method(ABC):
     @abstractmethod
     def client(self, trainer: LocalTrainer, global_state: State, client: int, data_stream: torch.Generator,
                client_stream: torch.Generator) -> Upload:
-        """Train client ``client`` from ``global_state``; return its decoded uplink."""
+        """Train client ``client`` from ``global_state``; return its uplink as packed bytes."""
+
+    @abstractmethod
+    def decode(self, payload: bytes, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        """The update of each binarized tensor as the server reads it from a client's packed message
+        (a ValueError if the message does not fit ``shapes``)."""
 
     def describe(self) -> dict[str, object]:
         return {"method": self.name}
@@ -250,29 +290,34 @@ class _StepSizes(BinarizationPhase):
         return out
 
 
+@dataclass(eq=False)
 class FedBAT(Method):
     """Federated binarization-aware training; defaults are the paper's (ρ = 6, φ = 0.5)."""
 
     name = "fedbat"
-    UPLOADS = ("final_fresh", "last_forward")
+    UPLOADS: ClassVar[tuple[str, ...]] = ("final_fresh", "last_forward")
 
-    def __init__(self, codec: LayerCodec, rho: float = 6.0, phi: float = 0.5, *, eps: float = 1e-8,
-                 alpha_clamp: tuple[float, float] | None = None, upload: str = "final_fresh") -> None:
-        if not 0 <= rho < math.inf:
-            raise ValueError(f"rho must be a finite number >= 0, got {rho}")
-        if not 0 <= phi < 1:
+    codec: LayerCodec
+    rho: float = 6.0
+    phi: float = 0.5
+    eps: float = 1e-8
+    alpha_clamp: tuple[float, float] | None = None
+    upload: Literal["final_fresh", "last_forward"] = "final_fresh"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rho < math.inf:
+            raise ValueError(f"rho must be a finite number >= 0, got {self.rho}")
+        if not 0 <= self.phi < 1:
             raise ValueError(f"phi must lie in [0, 1) so that the binarization-aware phase is non-empty, "
-                             f"got {phi}")
-        if not eps > 0:
-            raise ValueError(f"eps must be > 0, got {eps}")
-        if alpha_clamp is not None and not 0 < alpha_clamp[0] < alpha_clamp[1]:
-            raise ValueError(f"alpha_clamp must be (low, high) with 0 < low < high, got {alpha_clamp}")
-        if upload not in self.UPLOADS:
-            raise ValueError(f"upload must be one of {self.UPLOADS}, got {upload!r}")
-        self.codec = check_codec(codec, self.name)
-        self.rho, self.phi, self.eps = float(rho), float(phi), float(eps)
-        self.alpha_clamp = alpha_clamp
-        self.upload = upload
+                             f"got {self.phi}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if self.alpha_clamp is not None and not 0 < self.alpha_clamp[0] < self.alpha_clamp[1]:
+            raise ValueError(f"alpha_clamp must be (low, high) with 0 < low < high, got {self.alpha_clamp}")
+        if self.upload not in self.UPLOADS:
+            raise ValueError(f"upload must be one of {self.UPLOADS}, got {self.upload!r}")
+        self.codec = check_codec(self.codec, self.name)
+        self.rho, self.phi, self.eps = float(self.rho), float(self.phi), float(self.eps)
 
     def client(self, trainer: LocalTrainer, global_state: State, client: int, data_stream: torch.Generator,
                client_stream: torch.Generator) -> Upload:
@@ -285,15 +330,17 @@ class FedBAT(Method):
             else:
                 bits = phase.last_bits
         payload = self.codec.encode_signs(bits, [float(a) for a in alphas])
-        signs, sent_alphas = self.codec.decode_signs(payload, trainer.shapes, len(alphas))
-        update = [a * s for a, s in zip(sent_alphas, signs, strict=True)]
+        _, sent_alphas = self.codec.decode_signs(payload, trainer.shapes, len(alphas))
         info = {"alpha_prime": [float(a) for a in phase.alpha_prime],
                 "alpha": [float(a) for a in sent_alphas],
                 "saturated": [float((m.abs() > a).float().mean()) for m, a in zip(local.update, alphas,
                                                                                    strict=True)],
                 "eps_guard_layers": [float(phase.guarded)]}
-        return Upload(update, 8 * len(payload), local.extras, int(trainer.data.sizes[client]),
-                      local.mean_loss, info)
+        return Upload(payload, local.extras, int(trainer.data.sizes[client]), local.mean_loss, info)
+
+    def decode(self, payload: bytes, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        signs, alphas = self.codec.decode_signs(payload, shapes, len(shapes))
+        return [a * s for a, s in zip(alphas, signs, strict=True)]
 
     def describe(self) -> dict[str, object]:
         return {"method": self.name, "rho": self.rho, "phi": self.phi, "eps": self.eps,
@@ -301,19 +348,87 @@ class FedBAT(Method):
                 "bn": "trained directly, sent float32"}
 
 
-def aggregate(global_state: State, names: Sequence[str], uploads: Sequence[Upload]) -> State:
+def aggregate(global_state: State, names: Sequence[str], updates: Sequence[Sequence[torch.Tensor]],
+              extras: Sequence[State], n_samples: Sequence[int]) -> State:
     """Eq. 11 on the decoded updates and the same weighted mean of the BN tensors, p'_k ∝ n_k."""
-    total = sum(u.n_samples for u in uploads)
-    weights = [u.n_samples / total for u in uploads]
+    total = sum(n_samples)
+    weights = [n / total for n in n_samples]
     new = dict(global_state)
     for i, name in enumerate(names):
-        delta = sum(w * u.update[i] for w, u in zip(weights, uploads, strict=True))
+        delta = sum(w * u[i] for w, u in zip(weights, updates, strict=True))
         new[name] = global_state[name] + delta
-    for name in uploads[0].extras:
-        mean = sum(w * u.extras[name].double() for w, u in zip(weights, uploads, strict=True))
+    for name in extras[0]:
+        mean = sum(w * e[name].double() for w, e in zip(weights, extras, strict=True))
         dtype = global_state[name].dtype
         new[name] = (mean.round() if not dtype.is_floating_point else mean).to(dtype)
     return new
+
+
+class LayeredServer:
+    """The server's half of a round on this backbone: decode every upload with the method, aggregate
+    (Eq. 11), check the new state, count the bits and write the round's record. The simulation and the
+    MPI server (:mod:`parties.hfl`) both run it, so their records agree by construction."""
+
+    def __init__(self, method: Method, state: State, names: Sequence[str], shapes: Sequence[torch.Size]
+                 ) -> None:
+        self.method = method
+        self.state = state
+        self.names = list(names)
+        self.shapes = list(shapes)
+        self.round = 0
+        self.uplink_bits = 0
+        self.downlink_bits = 0
+
+    def finish(self, uploads: Sequence[Upload], started: float,
+               updates: Sequence[list[torch.Tensor]] | None = None) -> dict[str, Any]:
+        """Fold one round's uploads (in client order) into the global state; return the round's record.
+        ``updates``: the payloads already decoded (a receiver that checked them at its boundary)."""
+        if updates is None:
+            updates = [self.method.decode(u.payload, self.shapes) for u in uploads]
+        self.state = aggregate(self.state, self.names, updates, [u.extras for u in uploads],
+                               [u.n_samples for u in uploads])
+        self._check_finite()
+        payload = sum(u.payload_bits for u in uploads)
+        extras = sum(u.extras_bits for u in uploads)
+        self.uplink_bits += payload + extras
+        self.downlink_bits += len(uploads) * sum(wire_bits(t) for t in self.state.values())
+        self.round += 1
+        record: dict[str, Any] = {
+            "round": self.round, "local_loss": float(np.mean([u.mean_loss for u in uploads])),
+            "uplink_bits": self.uplink_bits, "downlink_bits": self.downlink_bits,
+            "uplink_payload_bits_per_client": payload / len(uploads),
+            "uplink_extras_bits_per_client": extras / len(uploads),
+            "round_seconds": time.perf_counter() - started}
+        for key in uploads[0].info:
+            record[f"mean_{key}"] = [float(np.mean([u.info[key][i] for u in uploads]))
+                                     for i in range(len(uploads[0].info[key]))]
+        return record
+
+    def _check_finite(self) -> None:
+        for name, tensor in self.state.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise FloatingPointError(f"{self.method.name}: global '{name}' became non-finite at round "
+                                         f"{self.round + 1} (diverged): lower the local learning rate")
+
+
+def evaluate_state(model: nn.Module, state: State, X: torch.Tensor, y: torch.Tensor,
+                   input_shape: Sequence[int]) -> dict[str, float]:
+    """Test loss and accuracy of a global state (BN in eval mode, averaged running statistics)."""
+    model.eval()
+    loss, correct = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, X.shape[0], EVAL_CHUNK):
+            xb = X[start:start + EVAL_CHUNK].view(-1, *input_shape)
+            logits = functional_call(model, state, (xb,))
+            yb = y[start:start + EVAL_CHUNK]
+            loss += float(F.cross_entropy(logits, yb, reduction="sum"))
+            correct += int((logits.argmax(1) == yb).sum())
+    return {"test_loss": loss / X.shape[0], "test_accuracy": correct / X.shape[0]}
+
+
+def sample_clients(n_clients: int, per_round: int, generator: torch.Generator) -> list[int]:
+    """S distinct clients, uniformly, in increasing id order (the engine's sampling)."""
+    return torch.randperm(n_clients, generator=generator)[:per_round].sort().values.tolist()
 
 
 class FederatedCNN:
@@ -336,54 +451,36 @@ class FederatedCNN:
         self.test = test
         self.streams = Streams.from_seed(seed, data.n_clients)
         init_weights(model, self.streams.init)
-        self.state: State = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.round = 0
-        self.uplink_bits = 0
-        self.downlink_bits = 0
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.server = LayeredServer(method, state, self.trainer.names, self.trainer.shapes)
+
+    @property
+    def state(self) -> State:
+        return self.server.state
+
+    @property
+    def round(self) -> int:
+        return self.server.round
+
+    @property
+    def uplink_bits(self) -> int:
+        return self.server.uplink_bits
 
     def sample_clients(self) -> list[int]:
-        perm = torch.randperm(self.trainer.data.n_clients, generator=self.streams.sampling)
-        return perm[: self.clients_per_round].sort().values.tolist()
+        return sample_clients(self.trainer.data.n_clients, self.clients_per_round, self.streams.sampling)
 
     def step(self) -> dict[str, Any]:
         """One round: sample, train and upload, aggregate; returns the round's metrics."""
         started = time.perf_counter()
-        clients = self.sample_clients()
         uploads = [self.method.client(self.trainer, self.state, k, self.streams.data,
-                                      self.streams.compression[k]) for k in clients]
-        self.state = aggregate(self.state, self.trainer.names, uploads)
-        self._check_finite()
-        payload = sum(u.payload_bits for u in uploads)
-        extras = sum(u.extras_bits for u in uploads)
-        self.uplink_bits += payload + extras
-        self.downlink_bits += len(clients) * sum(wire_bits(t) for t in self.state.values())
-        self.round += 1
-        record: dict[str, Any] = {
-            "round": self.round, "local_loss": float(np.mean([u.mean_loss for u in uploads])),
-            "uplink_bits": self.uplink_bits, "downlink_bits": self.downlink_bits,
-            "uplink_payload_bits_per_client": payload / len(clients),
-            "uplink_extras_bits_per_client": extras / len(clients),
-            "round_seconds": time.perf_counter() - started}
-        for key in uploads[0].info:
-            record[f"mean_{key}"] = [float(np.mean([u.info[key][i] for u in uploads]))
-                                     for i in range(len(uploads[0].info[key]))]
-        return record
+                                      self.streams.compression[k]) for k in self.sample_clients()]
+        return self.server.finish(uploads, started)
 
     def evaluate(self) -> dict[str, float]:
         """Test loss and accuracy of the global model (BN in eval mode, averaged running statistics)."""
         if self.test is None:
             return {}
-        X, y = self.test
-        self.model.eval()
-        loss, correct = 0.0, 0
-        with torch.no_grad():
-            for start in range(0, X.shape[0], EVAL_CHUNK):
-                xb = X[start:start + EVAL_CHUNK].view(-1, *self.trainer.input_shape)
-                logits = functional_call(self.model, self.state, (xb,))
-                yb = y[start:start + EVAL_CHUNK]
-                loss += float(F.cross_entropy(logits, yb, reduction="sum"))
-                correct += int((logits.argmax(1) == yb).sum())
-        return {"test_loss": loss / X.shape[0], "test_accuracy": correct / X.shape[0]}
+        return evaluate_state(self.model, self.state, *self.test, self.trainer.input_shape)
 
     def run(self, rounds: int, *, eval_every: int = 1, log: MetricsLog | None = None
             ) -> list[dict[str, Any]]:
@@ -399,9 +496,3 @@ class FederatedCNN:
             if log is not None:
                 log.write(record)
         return records
-
-    def _check_finite(self) -> None:
-        for name, tensor in self.state.items():
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise FloatingPointError(f"{self.method.name}: global '{name}' became non-finite at round "
-                                         f"{self.round + 1} (diverged): lower the local learning rate")

@@ -13,7 +13,8 @@ up in float32 exactly as for FedBAT.
     noisy-signsgd  α·sign(m_k + ξ), ξ ~ N(0, σ²), α = σ = 0.01 (Chen et al. 2020)
     stoc-signsgd   α·b, P(b_i = +1) = ½ + m_i/(2‖m_l‖_∞) per tensor, α = 0.01 (Safaryan & Richtárik
                    2021 with the ℓ∞ norm the paper used)
-    fedpaq         an injected unbiased quantizer (:class:`vfl.hfl.fedpaq.FedPAQ`'s) on the flattened update
+    fedpaq         an injected unbiased quantizer on the flattened update, validated by
+                   :class:`vfl.hfl.fedpaq.FedPAQ` (the one FedPAQ; this is its uplink on this backbone)
 
 Decisions (the paper is silent): norms and scales are per tensor (mirroring FedBAT's per-layer α);
 sign(0) is sent as + (one bit cannot carry 0); the messages are in the injected codec's format
@@ -26,30 +27,41 @@ from __future__ import annotations
 import math
 from abc import abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from vfl.hfl.base import Compressor
 from vfl.hfl.fedbat import LayerCodec, LocalTrainer, Method, State, Upload, check_codec
 from vfl.hfl.fedpaq import FedPAQ
 
 
+@dataclass(eq=False)
 class PostTraining(Method):
-    """Local SGD as in FedAvg, then :meth:`compress` the update of the binarized tensors into the
-    injected codec's format."""
+    """Local SGD as in FedAvg, then :meth:`encode` the update of the binarized tensors in the injected
+    codec's format; :meth:`decode` is the server's inverse."""
 
-    def __init__(self, codec: LayerCodec) -> None:
-        self.codec = check_codec(codec, self.name)
+    codec: LayerCodec
+
+    def __post_init__(self) -> None:
+        self.codec = check_codec(self.codec, self.name)
 
     def client(self, trainer: LocalTrainer, global_state: State, client: int, data_stream: torch.Generator,
                client_stream: torch.Generator) -> Upload:
         local = trainer.train(global_state, client, data_stream)
-        update, bits = self.compress(local.update, trainer.shapes, client, client_stream)
-        return Upload(update, bits, local.extras, int(trainer.data.sizes[client]), local.mean_loss)
+        payload = self.encode(local.update, trainer.shapes, client, client_stream)
+        return Upload(payload, local.extras, int(trainer.data.sizes[client]), local.mean_loss)
 
     @abstractmethod
+    def encode(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
+               generator: torch.Generator) -> bytes:
+        """Client ``client``'s update as the packed message it sends."""
+
     def compress(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
                  generator: torch.Generator) -> tuple[list[torch.Tensor], int]:
-        """The update as the server decodes it from the packed message, and the message's bits."""
+        """The update as the server decodes it, and the message's bits (encode, then decode)."""
+        payload = self.encode(update, shapes, client, generator)
+        return self.decode(payload, shapes), 8 * len(payload)
 
 
 def _check_positive(**values: float) -> None:
@@ -58,126 +70,142 @@ def _check_positive(**values: float) -> None:
             raise ValueError(f"{name} must be a positive finite number, got {value}")
 
 
-def _signed(codec: LayerCodec, bits: list[torch.Tensor], shapes: Sequence[torch.Size],
-            scales: Sequence[float] | None, fixed_alpha: float = 1.0) -> tuple[list[torch.Tensor], int]:
-    """Pack, unpack, rescale: the decoded update and the message size."""
-    payload = codec.encode_signs(bits, scales or ())
-    signs, sent = codec.decode_signs(payload, shapes, len(scales or ()))
-    if scales:
-        return [a * s for a, s in zip(sent, signs, strict=True)], 8 * len(payload)
-    return [fixed_alpha * s for s in signs], 8 * len(payload)
+@dataclass(eq=False)
+class FixedScaleSign(PostTraining):
+    """α·sign(·) with α agreed in advance, so the message is the bits alone."""
 
+    alpha: float = 0.01
 
-class FullPrecisionUpdate(PostTraining):
-    """FedAvg: the update in float32, 32 bits per weight."""
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(alpha=self.alpha)
+        self.alpha = float(self.alpha)
 
-    name = "fedavg"
-
-    def compress(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
-                 generator: torch.Generator) -> tuple[list[torch.Tensor], int]:
-        payload = self.codec.encode_floats(update)
-        return self.codec.decode_floats(payload, shapes), 8 * len(payload)
-
-
-class SignSGD(PostTraining):
-    """α·sign(m), one bit per weight; α is agreed in advance, so no float is sent."""
-
-    name = "signsgd"
-
-    def __init__(self, codec: LayerCodec, alpha: float = 0.001) -> None:
-        super().__init__(codec)
-        _check_positive(alpha=alpha)
-        self.alpha = float(alpha)
-
-    def compress(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
-                 generator: torch.Generator) -> tuple[list[torch.Tensor], int]:
-        return _signed(self.codec, [u >= 0 for u in update], shapes, None, self.alpha)
+    def decode(self, payload: bytes, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        signs, _ = self.codec.decode_signs(payload, shapes, 0)
+        return [self.alpha * s for s in signs]
 
     def describe(self) -> dict[str, object]:
         return {"method": self.name, "alpha": self.alpha}
 
 
+@dataclass(eq=False)
+class FullPrecisionUpdate(PostTraining):
+    """FedAvg: the update in float32, 32 bits per weight."""
+
+    name = "fedavg"
+
+    def encode(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
+               generator: torch.Generator) -> bytes:
+        return self.codec.encode_floats(update)
+
+    def decode(self, payload: bytes, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        return self.codec.decode_floats(payload, shapes)
+
+
+@dataclass(eq=False)
+class SignSGD(FixedScaleSign):
+    """α·sign(m), one bit per weight."""
+
+    name = "signsgd"
+    alpha: float = 0.001
+
+    def encode(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
+               generator: torch.Generator) -> bytes:
+        return self.codec.encode_signs([u >= 0 for u in update])
+
+
+@dataclass(eq=False)
 class EFSignSGD(PostTraining):
     """Error-feedback scaled sign; ``errors[k]`` is client k's memory (zeros until it first trains)."""
 
     name = "ef-signsgd"
+    errors: dict[int, list[torch.Tensor]] = field(default_factory=dict, init=False, repr=False)
 
-    def __init__(self, codec: LayerCodec) -> None:
-        super().__init__(codec)
-        self.errors: dict[int, list[torch.Tensor]] = {}
-
-    def compress(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
-                 generator: torch.Generator) -> tuple[list[torch.Tensor], int]:
+    def encode(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
+               generator: torch.Generator) -> bytes:
         error = self.errors.get(client, [torch.zeros_like(u) for u in update])
         corrected = [u + e for u, e in zip(update, error, strict=True)]
         scales = [float(p.abs().mean()) for p in corrected]
-        sent, bits = _signed(self.codec, [p >= 0 for p in corrected], shapes, scales)
+        payload = self.codec.encode_signs([p >= 0 for p in corrected], scales)
+        sent = self.decode(payload, shapes)
         self.errors[client] = [p - s for p, s in zip(corrected, sent, strict=True)]
-        return sent, bits
+        return payload
+
+    def decode(self, payload: bytes, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        signs, scales = self.codec.decode_signs(payload, shapes, len(shapes))
+        return [a * s for a, s in zip(scales, signs, strict=True)]
 
 
-class NoisySignSGD(PostTraining):
+@dataclass(eq=False)
+class NoisySignSGD(FixedScaleSign):
     """α·sign(m + ξ) with Gaussian noise ξ ~ N(0, σ²) from the client's own stream."""
 
     name = "noisy-signsgd"
+    sigma: float = 0.01
 
-    def __init__(self, codec: LayerCodec, alpha: float = 0.01, sigma: float = 0.01) -> None:
-        super().__init__(codec)
-        _check_positive(alpha=alpha, sigma=sigma)
-        self.alpha, self.sigma = float(alpha), float(sigma)
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(sigma=self.sigma)
+        self.sigma = float(self.sigma)
 
-    def compress(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
-                 generator: torch.Generator) -> tuple[list[torch.Tensor], int]:
+    def encode(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
+               generator: torch.Generator) -> bytes:
         noisy = [u + self.sigma * torch.randn(u.shape, generator=generator, dtype=u.dtype) for u in update]
-        return _signed(self.codec, [n >= 0 for n in noisy], shapes, None, self.alpha)
+        return self.codec.encode_signs([n >= 0 for n in noisy])
 
     def describe(self) -> dict[str, object]:
-        return {"method": self.name, "alpha": self.alpha, "sigma": self.sigma}
+        return super().describe() | {"sigma": self.sigma}
 
 
-class StocSignSGD(PostTraining):
+@dataclass(eq=False)
+class StocSignSGD(FixedScaleSign):
     """α·b with P(b_i = +1) = ½ + m_i/(2‖m_l‖_∞) per tensor (½ for an all-zero tensor)."""
 
     name = "stoc-signsgd"
 
-    def __init__(self, codec: LayerCodec, alpha: float = 0.01) -> None:
-        super().__init__(codec)
-        _check_positive(alpha=alpha)
-        self.alpha = float(alpha)
-
-    def compress(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
-                 generator: torch.Generator) -> tuple[list[torch.Tensor], int]:
+    def encode(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
+               generator: torch.Generator) -> bytes:
         bits = []
         for u in update:
             top = u.abs().max()
             ratio = u / top if top > 0 else torch.zeros_like(u)
             bits.append(torch.rand(u.shape, generator=generator, dtype=u.dtype) < (1 + ratio) / 2)
-        return _signed(self.codec, bits, shapes, None, self.alpha)
+        return self.codec.encode_signs(bits)
 
     def describe(self) -> dict[str, object]:
-        return {"method": self.name, "alpha": self.alpha, "norm": "per-tensor l_inf"}
+        return super().describe() | {"norm": "per-tensor l_inf"}
 
 
+@dataclass(eq=False)
 class FedPAQUpdate(PostTraining):
-    """FedPAQ on this backbone: :class:`~vfl.hfl.fedpaq.FedPAQ`'s unbiased quantizer (e.g. QSGD dithering
-    from ``protocols.compression``) on the flattened update; bits from its packed payload."""
+    """FedPAQ on this backbone: an unbiased quantizer (e.g. QSGD dithering from ``protocols.compression``),
+    validated by :class:`~vfl.hfl.fedpaq.FedPAQ`, on the flattened update; the message is its payload."""
 
     name = "fedpaq"
+    compressor: Compressor | None = None
 
-    def __init__(self, codec: LayerCodec, fedpaq: FedPAQ) -> None:
-        super().__init__(codec)
-        if not isinstance(fedpaq, FedPAQ):
-            raise TypeError(f"expected a vfl.hfl.fedpaq.FedPAQ (it validates the quantizer), got "
-                            f"{type(fedpaq).__name__}")
-        self.fedpaq = fedpaq
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.compressor is None:
+            raise ValueError("fedpaq needs a compressor (an unbiased quantizer, e.g. dithering:levels=7)")
+        self.fedpaq = FedPAQ(self.compressor)
+        if not callable(getattr(self.compressor, "decompress_bytes", None)):
+            raise TypeError("fedpaq: the compressor must decode raw message bytes (decompress_bytes), as "
+                            "protocols.compression's do")
 
-    def compress(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
-                 generator: torch.Generator) -> tuple[list[torch.Tensor], int]:
+    def encode(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
+               generator: torch.Generator) -> bytes:
         flat = torch.cat([u.reshape(-1) for u in update]).unsqueeze(0)
-        decoded, bits = self.fedpaq.compressor.roundtrip_batch(flat, [generator])
+        return self.fedpaq.compressor.compress_batch(flat, [generator])[0].data
+
+    def decode(self, payload: bytes, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        flat = self.fedpaq.compressor.decompress_bytes(payload)  # type: ignore[attr-defined]
         sizes = [math.prod(s) for s in shapes]
-        return [p.reshape(s) for p, s in zip(decoded[0].split(sizes), shapes, strict=True)], int(bits[0])
+        if flat.shape != (sum(sizes),):
+            raise ValueError(f"fedpaq message decodes to {tuple(flat.shape)} entries; the layers have "
+                             f"{sum(sizes)}")
+        return [p.reshape(s) for p, s in zip(flat.split(sizes), shapes, strict=True)]
 
     def describe(self) -> dict[str, object]:
         return {"method": self.name} | {k: v for k, v in self.fedpaq.describe().items() if k != "algorithm"}
-
