@@ -44,6 +44,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--clients", type=int, default=d.clients, help="N, logical clients")
     p.add_argument("--per-round", type=int, default=d.per_round, help="S, clients sampled per round")
     p.add_argument("--local-steps", type=int, default=d.local_steps, help="K, local SGD steps (flat models)")
+    p.add_argument("--objective", default=d.objective,
+                   help="feddro: the DRO objective, kl-dro | chi2-dro | erm (kl-dro)")
+    p.add_argument("--dro-lambda", type=float, default=d.dro_lambda, help="feddro: the objective's λ (1.0)")
     p.add_argument("--local-epochs", type=int, default=d.local_epochs,
                    help="E, local epochs over each client's rows (--model cnn)")
     p.add_argument("--lr-local", type=float, default=d.lr_local, help="η_l")

@@ -1,9 +1,11 @@
 """What a horizontal-FL job is: :class:`HflConfig`, its validation (every error is raised before any rank
 starts) and what every rank builds from it: the algorithm, the model and the partitioned training data.
 
-``--model cnn`` selects the layered backbone (FedBAT's BatchNorm CNN, :data:`vfl.hfl.LAYERED_METHODS`:
-local epochs, n_k-weighted aggregation, layered messages); the other models run
-:data:`vfl.hfl.ALGORITHMS` on flat parameter vectors."""
+Three kinds of round (:attr:`HflConfig.family`): ``--model cnn`` selects the layered backbone (FedBAT's
+BatchNorm CNN, :data:`vfl.hfl.LAYERED_METHODS`: local epochs, n_k-weighted aggregation, layered
+messages); ``--algorithm feddro`` the compositional one (:data:`vfl.hfl.COMPOSITIONAL`: a DRO objective,
+an exchange at every local step); everything else runs :data:`vfl.hfl.ALGORITHMS` on flat parameter
+vectors."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from protocols.compression import Compressor, get_compressor
 from protocols.compression.layers import LayerCodec
 from vfl.hfl import (
     ALGORITHMS,
+    COMPOSITIONAL,
     LAYERED_METHODS,
     MLP,
     FederatedData,
@@ -40,11 +43,15 @@ from vfl.hfl import (
 )
 from vfl.hfl.base import Compressor as CompressorOption
 from vfl.hfl.cnn import Table4CNN
+from vfl.hfl.dro_objectives import DRO_OBJECTIVES, LossComposition, make_objective
 from vfl.hfl.fedbat import LocalTraining, Method
+from vfl.hfl.feddro import TorchModel
+from vfl.hfl.feddro import mlp as dro_mlp
 from vfl.hfl.models import BatchedModel
 
 MODELS = ("softmax", "mlp", "least-squares", "cnn")
 LAYERED_MODELS = ("cnn",)
+Family = Literal["round", "layered", "compositional"]
 PARTITIONS = ("shards", "dirichlet", "iid")
 
 
@@ -65,6 +72,8 @@ class HflConfig:
     hidden: list[int] = field(default_factory=lambda: [256, 128])
     widths: list[int] = field(default_factory=lambda: [8, 16, 32])
     local_epochs: int = 1
+    objective: str = "kl-dro"
+    dro_lambda: float = 1.0
     dtype: str = "float32"
     clients: int = 20
     per_round: int = 5
@@ -98,9 +107,22 @@ class HflConfig:
         return FLConfig(self.clients, self.per_round, self.local_steps, self.lr_local, self.lr_global)
 
     @property
+    def family(self) -> Family:
+        """Which kind of round the job runs (see the module docstring)."""
+        if self.algorithm in COMPOSITIONAL:
+            return "compositional"
+        return "layered" if self.model in LAYERED_MODELS else "round"
+
+    @property
     def layered(self) -> bool:
         """Whether the job runs the layered backbone (FedBAT's CNN) instead of flat vectors."""
-        return self.model in LAYERED_MODELS
+        return self.family == "layered"
+
+    @property
+    def iterations(self) -> int:
+        """The compositional round's local steps: ``--rounds`` model rounds of I = period steps each."""
+        period = int(self.options.get("period", 1))
+        return self.rounds * period
 
     @property
     def local_training(self) -> LocalTraining:
@@ -109,7 +131,7 @@ class HflConfig:
 
     @property
     def registry(self) -> dict[str, type[Any]]:
-        return LAYERED_METHODS if self.layered else ALGORITHMS
+        return {"round": ALGORITHMS, "layered": LAYERED_METHODS, "compositional": COMPOSITIONAL}[self.family]
 
 
 def parse_compressor(spec: str) -> Compressor:
@@ -137,7 +159,7 @@ def option_names() -> dict[str, str]:
     command line offers one flag per name."""
     takers: dict[str, list[str]] = {}
     values: dict[str, str] = {}
-    for label, registry in (("", ALGORITHMS), (" (cnn)", LAYERED_METHODS)):
+    for label, registry in (("", ALGORITHMS), (" (cnn)", LAYERED_METHODS), ("", COMPOSITIONAL)):
         for name, cls in sorted(registry.items()):
             types = typing.get_type_hints(cls)
             for option in _settable(cls):
@@ -148,8 +170,9 @@ def option_names() -> dict[str, str]:
 
 
 def _settable(cls: type[Any]) -> dict[str, dataclasses.Field[Any]]:
-    """The options a user sets: the dataclass fields taken by the constructor, less the injected codec."""
-    return {name: f for name, f in options(cls).items() if f.init and name != "codec"}
+    """The options a user sets: the dataclass fields taken by the constructor, less the injected codec and
+    FedDRO's log label."""
+    return {name: f for name, f in options(cls).items() if f.init and name not in ("codec", "label")}
 
 
 def _type_name(kind: Any) -> str:
@@ -201,9 +224,11 @@ def build_algorithm(config: HflConfig) -> Any:
             example = " (e.g. top-r:r=0.01 or dithering:bits=2)" if name == "compressor" else ""
             raise ConfigError(f"{config.algorithm} needs {_flag(name)}{example}")
     try:
-        if config.layered:
+        if config.family == "layered":
             method: Method = cls(LayerCodec(), **kwargs)
             return method
+        if config.family == "compositional":
+            return cls(**kwargs)
         return make_algorithm(config.algorithm, **kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{config.algorithm}: {err}") from None
@@ -258,6 +283,17 @@ def build_cnn(config: HflConfig) -> nn.Module:
     assert config.n_features is not None and config.n_classes is not None, "validate() fills them"
     side = math.isqrt(config.n_features)
     return Table4CNN(1, config.n_classes, image_size=side, widths=config.widths)
+
+
+def build_dro_model(config: HflConfig) -> TorchModel:
+    """FedDRO's classifier, used through ``torch.func.vmap``: softmax regression or the ``--hidden`` MLP."""
+    assert config.n_features is not None and config.n_classes is not None, "validate() fills them"
+    hidden = tuple(config.hidden) if config.model == "mlp" else ()
+    return dro_mlp(config.n_features, hidden, config.n_classes)
+
+
+def build_objective(config: HflConfig) -> LossComposition:
+    return make_objective(config.objective, config.dro_lambda)
 
 
 def client_blocks(n_clients: int, processes: int) -> list[np.ndarray]:
@@ -321,6 +357,8 @@ def validate(config: HflConfig) -> HflConfig:
         raise ConfigError(f"--hidden must list positive layer widths (got {c.hidden})")
     if c.layered:
         _check_layered(c)
+    if c.family == "compositional":
+        _check_compositional(c)
     build_algorithm(c)
     n_features, n_classes = (inspect_client_files(Path(c.client_files), c.processes, c.clients)
                              if c.client_files else _inspect_dataset(c))
@@ -337,6 +375,24 @@ def validate(config: HflConfig) -> HflConfig:
             raise ConfigError(f"--widths {','.join(map(str, c.widths))}: {len(c.widths)} pooling stages are "
                               f"too many for {side}x{side} images (at most {side.bit_length() - 1})")
     return dataclasses.replace(c, n_features=n_features, n_classes=n_classes or None)
+
+
+def _check_compositional(c: HflConfig) -> None:
+    """What FedDRO's round cannot take: every client steps at every iteration (no sampling), models are
+    plain averages (no server step size), and it trains classifiers."""
+    if c.per_round != c.clients:
+        raise ConfigError(f"{c.algorithm}: every client takes part in every iteration; set --per-round equal "
+                          f"to --clients ({c.clients})")
+    if c.lr_global != 1.0:
+        raise ConfigError(f"{c.algorithm} averages the models with no server step; drop --lr-global")
+    if c.model not in ("softmax", "mlp"):
+        raise ConfigError(f"{c.algorithm} trains --model softmax or mlp (got {c.model})")
+    if c.objective not in DRO_OBJECTIVES:
+        raise ConfigError(f"unknown --objective {c.objective!r}; choose one of {', '.join(DRO_OBJECTIVES)}")
+    try:
+        make_objective(c.objective, c.dro_lambda)
+    except ValueError as err:
+        raise ConfigError(f"--dro-lambda {c.dro_lambda}: {err}") from None
 
 
 def _check_layered(c: HflConfig) -> None:

@@ -16,11 +16,14 @@ import torch
 from parties.config import ConfigError
 from parties.hfl.client import ClientProcess
 from parties.hfl.client_files import Shard, client_file_name, load_client_file
+from parties.hfl.compositional import CompositionalServer, serve_client
 from parties.hfl.config import (
     HflConfig,
     build_algorithm,
     build_cnn,
+    build_dro_model,
     build_model,
+    build_objective,
     client_blocks,
     load_training_data,
 )
@@ -70,6 +73,9 @@ def run_job(comm: Any, config: HflConfig) -> None:
     if config.layered:
         _run_layered(comm, config, shard)
         return
+    if config.family == "compositional":
+        _run_compositional(comm, config, shard)
+        return
     model = build_model(config)
     if shard is not None:
         model.check_data(shard.data.X, shard.data.y, f"client process {rank - 1}'s data")
@@ -113,6 +119,25 @@ def _run_layered(comm: Any, config: HflConfig, shard: Shard | None) -> None:
     _serve_rounds(server, config)
 
 
+def _run_compositional(comm: Any, config: HflConfig, shard: Shard | None) -> None:
+    """FedDRO's job (``--algorithm feddro``): the server draws x^0 from the seed's init stream, as the
+    simulation does, and broadcasts it."""
+    streams = Streams.from_seed(config.seed, config.clients)
+    model, objective, algorithm = build_dro_model(config), build_objective(config), build_algorithm(config)
+    hosts = _gather_hosts(comm, None if shard is None else shard.client_ids, config.clients)
+    x0 = torch.empty(model.dim, dtype=config.torch_dtype)
+    if comm.Get_rank() == SERVER:
+        _check_hosts(hosts, config.clients)
+        x0 = model.init(streams.init, config.torch_dtype)
+    comm.Bcast(x0.numpy(), root=SERVER)
+    if shard is not None:
+        serve_client(comm, config, algorithm, model, objective, shard, x0)
+        return
+    server = CompositionalServer(comm, config, algorithm, model, objective, [h or [] for h in hosts[1:]], x0,
+                                 _server_test_set(config))
+    _serve_rounds(server, config)
+
+
 def _gather_hosts(comm: Any, client_ids: torch.Tensor | None, n_clients: int) -> list[list[int] | None]:
     """At the server: the client ids each rank hosts (``None`` for the server itself); ``[]`` elsewhere.
 
@@ -144,7 +169,7 @@ def _check_hosts(hosts: list[list[int] | None], n_clients: int) -> None:
                           f"they host {ids}")
 
 
-def _serve_rounds(server: Server | LayeredServerRank, config: HflConfig) -> None:
+def _serve_rounds(server: Server | LayeredServerRank | CompositionalServer, config: HflConfig) -> None:
     from tqdm.auto import tqdm
 
     out = Path(config.out)

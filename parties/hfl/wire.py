@@ -49,6 +49,9 @@ class Kind(IntEnum):
     EVAL = 4          # server -> every client process: evaluate this model on your rows
     EVAL_RESULT = 5   # client process -> server: loss/accuracy sums and row count
     STOP = 6          # server -> every client process: the run is over
+    INNER = 7         # client process -> server (FedDRO): its clients' inner estimates y_k, float64 rows
+    MODEL = 8         # client process -> server (FedDRO): its clients' models x_k at a model round
+    AVERAGE = 9       # server -> every client process (FedDRO): the mean of the rows just sent
 
 
 class WireError(RuntimeError):

@@ -7,16 +7,20 @@ runs the sampled clients as one batched computation.
 Compressors come from ``protocols.compression`` and are injected: ``vfl`` never imports ``protocols``.
 An algorithm is one dataclass in one file (its fields are its options), registered below by name.
 
-Two backbones, one registry each:
+Three kinds of round, one registry each:
 
 - :data:`ALGORITHMS` run on flat parameter vectors of the batched models (``models.py``): the round
   protocol of :mod:`vfl.hfl.base`, simulated by :class:`FederatedSimulation`;
+- :data:`COMPOSITIONAL` (FedDRO, with FedAvg-CO and MBSGD-CO as its settings) synchronise at every
+  local step, on a vmap'd ``torch.nn`` classifier and a DRO objective (:mod:`vfl.hfl.feddro`),
+  simulated by :class:`~vfl.hfl.feddro.CompositionalSimulation`;
 - :data:`LAYERED_METHODS` run on a ``torch.nn`` model with BatchNorm (FedBAT's CNN): local epochs on the
   FedAvg backbone, then a layered uplink (:mod:`vfl.hfl.fedbat`), simulated by
   :class:`~vfl.hfl.fedbat.FederatedCNN`. FedAvg and FedPAQ appear in both: on this backbone they are
   the same rules with the layered message format (FedPAQ's quantizer is validated by :class:`FedPAQ`).
 
-Both run under MPI with ``python -m parties.hfl`` (``--model cnn`` selects the layered backbone).
+All three run under MPI with ``python -m parties.hfl`` (``--model cnn`` selects the layered backbone,
+``--algorithm feddro`` the compositional one).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from vfl.hfl.fed_ef import FedEF
 from vfl.hfl.fedavg import FedAvg
 from vfl.hfl.fedbat import FedBAT, Method
 from vfl.hfl.fedcomgate import FedComGate
+from vfl.hfl.feddro import FedDRO
 from vfl.hfl.fedpaq import FedPAQ
 from vfl.hfl.isca import Isca
 from vfl.hfl.iscam import Iscam
@@ -68,6 +73,8 @@ LAYERED_METHODS: dict[str, type[Method]] = {
                                FedPAQUpdate)
 }
 
+COMPOSITIONAL: dict[str, type[FedDRO]] = {"feddro": FedDRO}
+
 
 def make_algorithm(name: str, **settings: Any) -> Algorithm[Any, Any]:
     """Build a registered algorithm by name with its options (the fields of its dataclass: compressor,
@@ -84,6 +91,7 @@ def make_algorithm(name: str, **settings: Any) -> Algorithm[Any, Any]:
 
 __all__ = [
     "ALGORITHMS",
+    "COMPOSITIONAL",
     "LAYERED_METHODS",
     "MLP",
     "Algorithm",

@@ -93,8 +93,15 @@ class LossComposition(ABC):
     def value(self, client_losses: Sequence[torch.Tensor]) -> float:
         """Federated objective Φ = (1/K)Σ_k mean h(ℓ) + f((1/K)Σ_k mean g(ℓ)) from each client's losses
         on its whole data set (clients weigh 1/K whatever their size, as in the paper's eq. (2))."""
-        h = torch.stack([self.outer(ell.to(FLOAT)).mean() for ell in client_losses]).mean()
-        g = torch.stack([self.inner(ell.to(FLOAT)).mean() for ell in client_losses]).mean()
+        return self.value_from_summaries(torch.stack([self.client_summary(ell) for ell in client_losses]))
+
+    def client_summary(self, losses: torch.Tensor) -> torch.Tensor:
+        """What Φ needs from one client's losses, computed where the losses are: (mean h(ℓ), mean g(ℓ))."""
+        return torch.stack([self.outer(losses.to(FLOAT)).mean(), self.inner(losses.to(FLOAT)).mean()])
+
+    def value_from_summaries(self, summaries: torch.Tensor) -> float:
+        """Φ from the clients' :meth:`client_summary` rows ``[K, m]`` (how a server computes it)."""
+        h, g = summaries.mean(0)
         return float(h + self.f(g.reshape(1)))
 
     def diagnostics(self) -> dict[str, float]:
@@ -144,11 +151,12 @@ class KLDRO(LossComposition):
         self.clamps += int((y < self.floor).sum())
         return self._scale / y.clamp_min(self.floor)
 
-    def value(self, client_losses: Sequence[torch.Tensor]) -> float:
-        """As the base class, computed with a log-sum-exp so that large losses cannot overflow."""
-        logs = torch.stack([torch.logsumexp(ell.to(FLOAT) / self.lam, 0) - math.log(ell.numel())
-                            for ell in client_losses])
-        return self._scale * float(torch.logsumexp(logs, 0) - math.log(len(client_losses)))
+    def client_summary(self, losses: torch.Tensor) -> torch.Tensor:
+        """log mean exp(ℓ/λ) of one client, a log-sum-exp so that large losses cannot overflow."""
+        return (torch.logsumexp(losses.to(FLOAT) / self.lam, 0) - math.log(losses.numel())).reshape(1)
+
+    def value_from_summaries(self, summaries: torch.Tensor) -> float:
+        return self._scale * float(torch.logsumexp(summaries[:, 0], 0) - math.log(summaries.shape[0]))
 
     def describe(self) -> dict[str, object]:
         return {"objective": self.name, "lambda": self.lam, "kl_scale_by_lambda": self.scale_by_lambda,
@@ -212,6 +220,20 @@ class ERM(LossComposition):
 
     def grad_f(self, y: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(y, dtype=FLOAT)
+
+
+def make_objective(name: str, lam: float = 1.0) -> LossComposition:
+    """A DRO objective by name: ``kl-dro`` and ``chi2-dro`` with their λ, or ``erm``."""
+    if name == "kl-dro":
+        return KLDRO(lam)
+    if name == "chi2-dro":
+        return Chi2DRO(lam)
+    if name == "erm":
+        return ERM()
+    raise ValueError(f"unknown DRO objective {name!r}; choose one of {', '.join(DRO_OBJECTIVES)}")
+
+
+DRO_OBJECTIVES = ("kl-dro", "chi2-dro", "erm")
 
 
 # ----------------------------------------------------------------------------- closed-form toy problems

@@ -288,6 +288,19 @@ class FedDRO:
         inner values (one K·|b| batch per step, no memory)."""
         return cls(1, 1.0, "step", label="mbsgd-co")
 
+    def shares_initial_inner(self) -> bool:
+        """Whether ȳ_init is one exchange before t = 0 (not when y is never shared, nor when β = 1 with
+        ``init="blend"`` gives y^{−1} weight 0)."""
+        return not (self.y_sync == "never" or (self.beta == 1 and self.init == "blend"))
+
+    def shares_inner(self, t: int) -> bool:
+        """Whether iteration t averages the inner estimates (step 3 of the module docstring)."""
+        return self.y_sync == "step" or (self.y_sync == "round" and t % self.period == 0)
+
+    def averages_models(self, t: int) -> bool:
+        """Whether iteration t ends with a model round (step 5)."""
+        return (t + 1) % self.period == 0
+
     def describe(self) -> dict[str, object]:
         return {"algorithm": self.label, "I": self.period, "beta": self.beta, "y_sync": self.y_sync,
                 "init": self.init, "independent_grad_batch": self.independent_grad_batch,
@@ -354,9 +367,8 @@ class CompositionalSimulation:
             Y0 = y_init.to(FLOAT).expand(K, -1).clone()
         else:
             local = problem.inner_values(X, problem.sample(self.generator)).to(FLOAT)
-            # Case I shares nothing, and with β = 1 (blend) y^{-1} has weight 0: no exchange needed then.
-            private = algorithm.y_sync == "never" or (algorithm.beta == 1 and algorithm.init == "blend")
-            Y0 = local if private else self._all_reduce_inner(local).expand(K, -1).clone()
+            shared = algorithm.shares_initial_inner()
+            Y0 = self._all_reduce_inner(local).expand(K, -1).clone() if shared else local
         self.state = FedDROState(X, X.clone(), Y0)
         self.iteration = 0
 
@@ -396,12 +408,13 @@ class CompositionalSimulation:
         else:
             previous = problem.inner_values(state.x_prev, batch)
             y_local = (1 - alg.beta) * (state.y_used - previous.to(FLOAT)) + current.to(FLOAT)
-        share = alg.y_sync == "step" or (alg.y_sync == "round" and t % alg.period == 0)
-        y_used = self._all_reduce_inner(y_local).expand_as(y_local).clone() if share else y_local
+        y_used = y_local
+        if alg.shares_inner(t):
+            y_used = self._all_reduce_inner(y_local).expand_as(y_local).clone()
         lr = self.current_lr()
         grad = evaluation.gradient(problem.grad_f(y_used))
         x_next = state.x - lr * grad.to(state.x.dtype)
-        synced = (t + 1) % alg.period == 0
+        synced = alg.averages_models(t)
         if synced:
             x_next = self._average_models(x_next)
         if not bool(torch.isfinite(x_next).all()):
