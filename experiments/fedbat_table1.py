@@ -43,11 +43,11 @@ from protocols.compression.layers import LayerCodec
 from vfl.datasets import load
 from vfl.hfl import FederatedData, MetricsLog, dirichlet_partition, iid_partition, labels_per_client_partition
 from vfl.hfl.cnn import Table4CNN
+from vfl.hfl.fedavg import LayeredFedAvg
 from vfl.hfl.fedbat import FedBAT, FederatedCNN, LocalTraining, Method
+from vfl.hfl.fedpaq import LayeredFedPAQ
 from vfl.hfl.signsgd import (
     EFSignSGD,
-    FedPAQUpdate,
-    FullPrecisionUpdate,
     NoisySignSGD,
     SignSGD,
     StocSignSGD,
@@ -110,13 +110,13 @@ class Run:
 
 def make_method(run: Run, alpha_clamp: tuple[float, float] | None = None) -> Method:
     factories: dict[str, Callable[[], Method]] = {
-        "fedavg": lambda: FullPrecisionUpdate(CODEC),
+        "fedavg": lambda: LayeredFedAvg(CODEC),
         "signsgd": lambda: SignSGD(CODEC, alpha=0.001),
         "ef-signsgd": lambda: EFSignSGD(CODEC),
         "noisy-signsgd": lambda: NoisySignSGD(CODEC, alpha=0.01, sigma=0.01),
         "stoc-signsgd": lambda: StocSignSGD(CODEC, alpha=0.01),
         # QSGD with s = 2^(b-1) - 1 = 7 levels: 4 bits per weight (one sign bit and three level bits)
-        "fedpaq": lambda: FedPAQUpdate(CODEC, get_compressor("dithering", levels=7)),
+        "fedpaq": lambda: LayeredFedPAQ(CODEC, get_compressor("dithering", levels=7)),
         "fedbat": lambda: FedBAT(CODEC, rho=run.rho, phi=run.phi, alpha_clamp=alpha_clamp),
     }
     return factories[run.method]()

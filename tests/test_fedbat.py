@@ -15,6 +15,7 @@ from protocols.compression.layers import LayerCodec
 from vfl.hfl import FederatedData
 from vfl.hfl.binarize import BinarizeUpdate, binarize, step_size
 from vfl.hfl.cnn import ResNet10, Table4CNN, binarized_names
+from vfl.hfl.fedavg import LayeredFedAvg
 from vfl.hfl.fedbat import (
     FedBAT,
     FederatedCNN,
@@ -22,12 +23,10 @@ from vfl.hfl.fedbat import (
     LocalTraining,
     aggregate,
 )
-from vfl.hfl.fedpaq import FedPAQ
+from vfl.hfl.fedpaq import FedPAQ, LayeredFedPAQ
 from vfl.hfl.partitions import labels_per_client_partition
 from vfl.hfl.signsgd import (
     EFSignSGD,
-    FedPAQUpdate,
-    FullPrecisionUpdate,
     NoisySignSGD,
     SignSGD,
     StocSignSGD,
@@ -331,7 +330,7 @@ def test_signsgd_family_outputs_and_bits() -> None:
     for method in (NoisySignSGD(CODEC, 0.01, 0.01), StocSignSGD(CODEC, 0.01)):
         sent, bits = method.compress(updates(), SHAPES, 0, gen)
         assert bits == 24 and all(torch.equal(s.abs(), torch.full_like(s, 0.01)) for s in sent)
-    sent, bits = FullPrecisionUpdate(CODEC).compress(updates(), SHAPES, 0, gen)
+    sent, bits = LayeredFedAvg(CODEC).compress(updates(), SHAPES, 0, gen)
     assert bits == 32 * 19 and all(torch.equal(s, u) for s, u in zip(sent, updates(), strict=True))
 
 
@@ -366,7 +365,7 @@ def test_ef_signsgd_error_memory_telescopes_and_is_per_client() -> None:
 
 
 def test_fedpaq_adapter_uses_the_injected_unbiased_quantizer() -> None:
-    method = FedPAQUpdate(CODEC, get_compressor("dithering", levels=7))
+    method = LayeredFedPAQ(CODEC, get_compressor("dithering", levels=7))
     m = updates()
     gen = torch.Generator().manual_seed(0)
     mean = [torch.zeros(s) for s in SHAPES]
@@ -380,7 +379,7 @@ def test_fedpaq_adapter_uses_the_injected_unbiased_quantizer() -> None:
 
 def test_every_method_trains_and_fedavg_matches_the_plain_trainer() -> None:
     data = toy_data(n_clients=4)
-    for cls in (FullPrecisionUpdate, SignSGD, EFSignSGD, NoisySignSGD, StocSignSGD, FedBAT):
+    for cls in (LayeredFedAvg, SignSGD, EFSignSGD, NoisySignSGD, StocSignSGD, FedBAT):
         method = cls(CODEC)
         sim = FederatedCNN(method, toy_model(), data, clients_per_round=2,
                            training=LocalTraining(epochs=1, batch_size=32, lr=0.1), seed=1)

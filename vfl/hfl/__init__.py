@@ -43,11 +43,11 @@ from vfl.hfl.base import (
 from vfl.hfl.data import FederatedData
 from vfl.hfl.engine import FederatedSimulation, LocalSolver, MetricsLog
 from vfl.hfl.fed_ef import FedEF
-from vfl.hfl.fedavg import FedAvg
+from vfl.hfl.fedavg import FedAvg, LayeredFedAvg
 from vfl.hfl.fedbat import FedBAT, Method
 from vfl.hfl.fedcomgate import FedComGate
 from vfl.hfl.feddro import FedDRO
-from vfl.hfl.fedpaq import FedPAQ
+from vfl.hfl.fedpaq import FedPAQ, LayeredFedPAQ
 from vfl.hfl.isca import Isca
 from vfl.hfl.iscam import Iscam
 from vfl.hfl.models import MLP, LeastSquares, least_squares_optimum, softmax_regression
@@ -61,7 +61,7 @@ from vfl.hfl.partitions import (
 from vfl.hfl.scafcom import Scafcom
 from vfl.hfl.scaffold import Scaffold, ScaffoldTwoVector
 from vfl.hfl.scallion import Scallion
-from vfl.hfl.signsgd import EFSignSGD, FedPAQUpdate, FullPrecisionUpdate, NoisySignSGD, SignSGD, StocSignSGD
+from vfl.hfl.signsgd import EFSignSGD, NoisySignSGD, SignSGD, StocSignSGD
 
 ALGORITHMS: dict[str, type[Algorithm[Any, Any]]] = {
     cls.name: cls for cls in (FedAvg, ScaffoldTwoVector, Scaffold, Scallion, Scafcom, FedEF, FedComGate,
@@ -69,8 +69,8 @@ ALGORITHMS: dict[str, type[Algorithm[Any, Any]]] = {
 }
 
 LAYERED_METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (FedBAT, FullPrecisionUpdate, SignSGD, EFSignSGD, NoisySignSGD, StocSignSGD,
-                               FedPAQUpdate)
+    cls.name: cls for cls in (FedBAT, LayeredFedAvg, SignSGD, EFSignSGD, NoisySignSGD, StocSignSGD,
+                               LayeredFedPAQ)
 }
 
 COMPOSITIONAL: dict[str, type[FedDRO]] = {"feddro": FedDRO}

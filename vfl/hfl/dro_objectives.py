@@ -101,7 +101,7 @@ class LossComposition(ABC):
 
     def value_from_summaries(self, summaries: torch.Tensor) -> float:
         """Φ from the clients' :meth:`client_summary` rows ``[K, m]`` (how a server computes it)."""
-        h, g = summaries.mean(0)
+        h, g = (summaries[:, j].contiguous().mean() for j in range(2))   # value()'s summation order
         return float(h + self.f(g.reshape(1)))
 
     def diagnostics(self) -> dict[str, float]:

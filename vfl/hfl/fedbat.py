@@ -348,6 +348,35 @@ class FedBAT(Method):
                 "bn": "trained directly, sent float32"}
 
 
+@dataclass(eq=False)
+class PostTraining(Method):
+    """Local SGD as in FedAvg, then :meth:`encode` the update of the binarized tensors in the injected
+    codec's format; :meth:`decode` is the server's inverse. FedBAT's baselines (``signsgd.py``) and FedAvg
+    and FedPAQ on this backbone (``fedavg.py``, ``fedpaq.py``) are its subclasses."""
+
+    codec: LayerCodec
+
+    def __post_init__(self) -> None:
+        self.codec = check_codec(self.codec, self.name)
+
+    def client(self, trainer: LocalTrainer, global_state: State, client: int, data_stream: torch.Generator,
+               client_stream: torch.Generator) -> Upload:
+        local = trainer.train(global_state, client, data_stream)
+        payload = self.encode(local.update, trainer.shapes, client, client_stream)
+        return Upload(payload, local.extras, int(trainer.data.sizes[client]), local.mean_loss)
+
+    @abstractmethod
+    def encode(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
+               generator: torch.Generator) -> bytes:
+        """Client ``client``'s update as the packed message it sends."""
+
+    def compress(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
+                 generator: torch.Generator) -> tuple[list[torch.Tensor], int]:
+        """The update as the server decodes it, and the message's bits (encode, then decode)."""
+        payload = self.encode(update, shapes, client, generator)
+        return self.decode(payload, shapes), 8 * len(payload)
+
+
 def aggregate(global_state: State, names: Sequence[str], updates: Sequence[Sequence[torch.Tensor]],
               extras: Sequence[State], n_samples: Sequence[int]) -> State:
     """Eq. 11 on the decoded updates and the same weighted mean of the BN tensors, p'_k ∝ n_k."""

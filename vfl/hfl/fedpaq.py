@@ -13,13 +13,19 @@ Decisions:
   s = 7 at 4 bits; the FedBAT paper does not say how its bits map to levels), or ``bits=b`` for the
   SCALLION/ISCA papers' s = 2^b. The norm is that of the whole flattened update, not per layer (the
   codec's convention; the paper's analysis is over R^d).
+- :class:`LayeredFedPAQ` is the same rule on the layered backbone (FedBAT's CNN; the FedBAT paper's
+  Table 5 runs it at 3 and 4 bits).
 - An unbiased quantizer is required (the paper's Assumption: E[Q(x)] = x with bounded variance); a biased
   compressor is a ValueError, since without error feedback its bias is never corrected (use Fed-EF).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from vfl.hfl.base import (
     Algorithm,
@@ -34,6 +40,7 @@ from vfl.hfl.base import (
     WithCompressor,
     compressor_label,
 )
+from vfl.hfl.fedbat import PostTraining
 
 
 @dataclass(eq=False)
@@ -62,3 +69,37 @@ class FedPAQ(WithCompressor, Algorithm[ServerModel, NoClientState]):
 
     def describe(self) -> dict[str, object]:
         return {"algorithm": self.name, "compressor": compressor_label(self.compressor)}
+
+
+@dataclass(eq=False)
+class LayeredFedPAQ(PostTraining):
+    """FedPAQ on the layered backbone (FedBAT's CNN, ``--model cnn``): the quantizer, validated by
+    :class:`FedPAQ`, on the flattened update of the binarized tensors; the message is its payload."""
+
+    name = "fedpaq"
+    compressor: Compressor | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.compressor is None:
+            raise ValueError("fedpaq needs a compressor (an unbiased quantizer, e.g. dithering:levels=7)")
+        self.fedpaq = FedPAQ(self.compressor)
+        if not callable(getattr(self.compressor, "decompress_bytes", None)):
+            raise TypeError("fedpaq: the compressor must decode raw message bytes (decompress_bytes), as "
+                            "protocols.compression's do")
+
+    def encode(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
+               generator: torch.Generator) -> bytes:
+        flat = torch.cat([u.reshape(-1) for u in update]).unsqueeze(0)
+        return self.fedpaq.compressor.compress_batch(flat, [generator])[0].data
+
+    def decode(self, payload: bytes, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        flat = self.fedpaq.compressor.decompress_bytes(payload)  # type: ignore[attr-defined]
+        sizes = [math.prod(s) for s in shapes]
+        if flat.shape != (sum(sizes),):
+            raise ValueError(f"fedpaq message decodes to {tuple(flat.shape)} entries; the layers have "
+                             f"{sum(sizes)}")
+        return [p.reshape(s) for p, s in zip(flat.split(sizes), shapes, strict=True)]
+
+    def describe(self) -> dict[str, object]:
+        return {"method": self.name} | {k: v for k, v in self.fedpaq.describe().items() if k != "algorithm"}

@@ -1,11 +1,12 @@
-"""FedBAT's baselines: post-training compression of the local update on the FedAvg backbone.
+"""FedBAT's sign baselines: post-training compression of the local update on the FedAvg backbone
+(:class:`vfl.hfl.fedbat.PostTraining`; FedAvg and FedPAQ on this backbone are in ``fedavg.py`` and
+``fedpaq.py``, beside their flat-vector versions).
 
 Every client runs the same local SGD as FedAvg (:class:`vfl.hfl.fedbat.LocalTrainer` without a
 binarization phase), then compresses its update m_k = w^k_{t+1} − w_t of the binarized tensors (conv and
 linear weights); the server adds Σ p'_k·decode(message_k), p'_k ∝ n_k (the paper's Eq. 2-3). The BN tensors go
 up in float32 exactly as for FedBAT.
 
-    fedavg         m_k in float32 (32 bits per weight)
     signsgd        α·sign(m_k), α fixed (0.001, the paper's tuned value); Eq. 3, weighted mean, not a vote
     ef-signsgd     p = m_k + e_k; send C(p) = (‖p_l‖₁/d_l)·sign(p_l) per tensor; e_k ← p − C(p)
                    (Karimireddy et al. 2019; the error of a client persists across rounds, stale between
@@ -13,8 +14,6 @@ up in float32 exactly as for FedBAT.
     noisy-signsgd  α·sign(m_k + ξ), ξ ~ N(0, σ²), α = σ = 0.01 (Chen et al. 2020)
     stoc-signsgd   α·b, P(b_i = +1) = ½ + m_i/(2‖m_l‖_∞) per tensor, α = 0.01 (Safaryan & Richtárik
                    2021 with the ℓ∞ norm the paper used)
-    fedpaq         an injected unbiased quantizer on the flattened update, validated by
-                   :class:`vfl.hfl.fedpaq.FedPAQ` (the one FedPAQ; this is its uplink on this backbone)
 
 Decisions (the paper is silent): norms and scales are per tensor (mirroring FedBAT's per-layer α);
 sign(0) is sent as + (one bit cannot carry 0); the messages are in the injected codec's format
@@ -25,43 +24,12 @@ fixed; float32 for FedAvg), so the uplink is counted from the packed bytes.
 from __future__ import annotations
 
 import math
-from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from vfl.hfl.base import Compressor
-from vfl.hfl.fedbat import LayerCodec, LocalTrainer, Method, State, Upload, check_codec
-from vfl.hfl.fedpaq import FedPAQ
-
-
-@dataclass(eq=False)
-class PostTraining(Method):
-    """Local SGD as in FedAvg, then :meth:`encode` the update of the binarized tensors in the injected
-    codec's format; :meth:`decode` is the server's inverse."""
-
-    codec: LayerCodec
-
-    def __post_init__(self) -> None:
-        self.codec = check_codec(self.codec, self.name)
-
-    def client(self, trainer: LocalTrainer, global_state: State, client: int, data_stream: torch.Generator,
-               client_stream: torch.Generator) -> Upload:
-        local = trainer.train(global_state, client, data_stream)
-        payload = self.encode(local.update, trainer.shapes, client, client_stream)
-        return Upload(payload, local.extras, int(trainer.data.sizes[client]), local.mean_loss)
-
-    @abstractmethod
-    def encode(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
-               generator: torch.Generator) -> bytes:
-        """Client ``client``'s update as the packed message it sends."""
-
-    def compress(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
-                 generator: torch.Generator) -> tuple[list[torch.Tensor], int]:
-        """The update as the server decodes it, and the message's bits (encode, then decode)."""
-        payload = self.encode(update, shapes, client, generator)
-        return self.decode(payload, shapes), 8 * len(payload)
+from vfl.hfl.fedbat import PostTraining
 
 
 def _check_positive(**values: float) -> None:
@@ -87,20 +55,6 @@ class FixedScaleSign(PostTraining):
 
     def describe(self) -> dict[str, object]:
         return {"method": self.name, "alpha": self.alpha}
-
-
-@dataclass(eq=False)
-class FullPrecisionUpdate(PostTraining):
-    """FedAvg: the update in float32, 32 bits per weight."""
-
-    name = "fedavg"
-
-    def encode(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
-               generator: torch.Generator) -> bytes:
-        return self.codec.encode_floats(update)
-
-    def decode(self, payload: bytes, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
-        return self.codec.decode_floats(payload, shapes)
 
 
 @dataclass(eq=False)
@@ -175,37 +129,3 @@ class StocSignSGD(FixedScaleSign):
 
     def describe(self) -> dict[str, object]:
         return super().describe() | {"norm": "per-tensor l_inf"}
-
-
-@dataclass(eq=False)
-class FedPAQUpdate(PostTraining):
-    """FedPAQ on this backbone: an unbiased quantizer (e.g. QSGD dithering from ``protocols.compression``),
-    validated by :class:`~vfl.hfl.fedpaq.FedPAQ`, on the flattened update; the message is its payload."""
-
-    name = "fedpaq"
-    compressor: Compressor | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.compressor is None:
-            raise ValueError("fedpaq needs a compressor (an unbiased quantizer, e.g. dithering:levels=7)")
-        self.fedpaq = FedPAQ(self.compressor)
-        if not callable(getattr(self.compressor, "decompress_bytes", None)):
-            raise TypeError("fedpaq: the compressor must decode raw message bytes (decompress_bytes), as "
-                            "protocols.compression's do")
-
-    def encode(self, update: list[torch.Tensor], shapes: Sequence[torch.Size], client: int,
-               generator: torch.Generator) -> bytes:
-        flat = torch.cat([u.reshape(-1) for u in update]).unsqueeze(0)
-        return self.fedpaq.compressor.compress_batch(flat, [generator])[0].data
-
-    def decode(self, payload: bytes, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
-        flat = self.fedpaq.compressor.decompress_bytes(payload)  # type: ignore[attr-defined]
-        sizes = [math.prod(s) for s in shapes]
-        if flat.shape != (sum(sizes),):
-            raise ValueError(f"fedpaq message decodes to {tuple(flat.shape)} entries; the layers have "
-                             f"{sum(sizes)}")
-        return [p.reshape(s) for p, s in zip(flat.split(sizes), shapes, strict=True)]
-
-    def describe(self) -> dict[str, object]:
-        return {"method": self.name} | {k: v for k, v in self.fedpaq.describe().items() if k != "algorithm"}
