@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--he-batch-size", type=int, default=None,
                    help="B of the he modes (default 256); with --epsilon a larger B divides the same noise "
                         "by more rows")
+    p.add_argument("--he-gamma-decay", type=float, default=0.0,
+                   help="the he modes' step γ/(1 + decay·e) in epoch e (default 0: constant)")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     rows = []
@@ -208,7 +210,9 @@ def main(argv: list[str] | None = None) -> None:
                                       **({"gamma": args.he_gamma} if args.he_gamma and mode.startswith("he")
                                          else {}),
                                       **({"batch_size": args.he_batch_size}
-                                         if args.he_batch_size and mode.startswith("he") else {})})
+                                         if args.he_batch_size and mode.startswith("he") else {}),
+                                      **({"gamma_decay": args.he_gamma_decay}
+                                         if args.he_gamma_decay and mode.startswith("he") else {})})
                 if launch(config, echo=False) != 0:
                     raise RuntimeError(f"{dataset}/{mode}: training failed")
                 last = json.loads((work / "metrics.jsonl").read_text().splitlines()[-1])
@@ -216,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                 found = attack_all(work / "audit-1.npz", ds.y_train, own)
             best = max(found, key=lambda a: found[a]["accuracy"] if found[a]["coverage"] else -1)
             rows.append({"dataset": dataset, "mode": mode, "algorithm": config.algorithm, "party": 1,
+                         "gamma": config.gamma, "gamma_decay": config.gamma_decay,
                          "test_accuracy": last["test_accuracy"], "nonf_accuracy": nonf["accuracy"],
                          "seconds_per_epoch": last["time"] / max(last["epoch"], 1e-9),
                          "best_attack": best,

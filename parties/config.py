@@ -38,6 +38,10 @@ class ConfigError(ValueError):
     """A job configuration that cannot run; the message says which option and why."""
 
 
+EPOCH_SLACK = 1e-9
+"""Epoch counts are sums of segment lengths; rounding may leave them this far below a whole epoch."""
+
+
 @dataclass
 class RunConfig:
     """Everything a rank needs to know to play its part. Field docs double as ``--help`` text."""
@@ -57,6 +61,7 @@ class RunConfig:
     updates: str = "auto"
     saga_table_budget: float = 2.0
     gamma: float = 0.05
+    gamma_decay: float = 0.0
     epochs: float = 10.0
     target_suboptimality: float | None = None
     time_limit: float | None = None
@@ -92,6 +97,13 @@ class RunConfig:
     reference: bool = True
     allow_two_parties: bool = False
     audit: bool = False
+
+    def gamma_at(self, epochs: float) -> float:
+        """The step size in the epoch that ``epochs`` falls in: γ/(1 + decay·e), e = ⌊epochs⌋ (constant γ,
+        the paper's, when ``gamma_decay`` is 0). A decaying step lets constant-step SGD's noise floor
+        shrink (the label-DP noise of ``--label-privacy he --epsilon`` included: steps are
+        post-processing, so the privacy accounting is unchanged)."""
+        return self.gamma / (1.0 + self.gamma_decay * math.floor(epochs + EPOCH_SLACK))
 
     def party_folder(self, rank: int) -> Path:
         """Where party ``rank`` keeps its block and checkpoints: only that rank writes or reads there."""
@@ -168,6 +180,8 @@ def validate(config: RunConfig) -> RunConfig:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive (got {getattr(c, name)})")
     if c.lam < 0:
         raise ConfigError(f"--lam must be non-negative (got {c.lam})")
+    if not 0 <= c.gamma_decay < math.inf:
+        raise ConfigError(f"--gamma-decay must be a finite number >= 0 (got {c.gamma_decay})")
     if not 1 <= c.batch_size <= MAX_BATCH:
         raise ConfigError(f"--batch-size must be between 1 and {MAX_BATCH} (got {c.batch_size})")
     if c.updates not in UPDATES:
@@ -452,6 +466,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "messages per update instead of 4(q − 1); the broadcast waits for the next request "
                         "(async mode)")
     p.add_argument("--gamma", type=float, default=d.gamma, help="learning rate γ")
+    p.add_argument("--gamma-decay", type=float, default=d.gamma_decay,
+                   help="step size γ/(1 + decay·e) in epoch e = 0, 1, ... (0: constant, the paper's)")
     p.add_argument("--epochs", type=float, default=d.epochs, help="stop after this many passes over the data")
     p.add_argument("--target-suboptimality", type=float, default=None,
                    help="stop when f(w) − f* falls below this (f* from the NonF reference)")

@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from parties.checkpoint import complete_epochs, load_checkpoint, mark_complete, save_checkpoint
-from parties.config import RunConfig
+from parties.config import EPOCH_SLACK, RunConfig
 from parties.outcomes import Outcome
 from parties.runtime import PartyRuntime, PartyState
 from protocols.channels import ChannelKeys
@@ -156,6 +156,10 @@ class _Trainer:
         next_snapshot = self.epochs  # a resumed run rebuilds its snapshot from the restored blocks
         while outcome is Outcome.CONTINUE:
             segment = min(config.eval_every, config.epochs - self.epochs)
+            if config.gamma_decay:
+                # the step changes only at whole epochs, with every coordinate up to date (drain)
+                party.rule.set_gamma(config.gamma_at(self.epochs))
+                segment = min(segment, math.floor(self.epochs + EPOCH_SLACK) + 1 - self.epochs)
             started = time.perf_counter()
             if party.rule.needs_snapshot:
                 # every rank sums the same words into self.epochs, so all agree on when this happens
@@ -266,6 +270,8 @@ class _Trainer:
         loss = float(np.mean(problem.loss.value(z, self.party.y)) + reg)
         record: dict = {"epoch": round(self.epochs, 6), "time": round(self.train_time, 6),
                         "updates": self.updates, "loss": loss}
+        if self.config.gamma_decay:
+            record["gamma"] = self.party.rule.gamma     # the step of the epoch just finished
         if self.config.f_star is not None:
             record["suboptimality"] = loss - self.config.f_star
         if z_test is not None:

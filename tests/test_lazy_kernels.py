@@ -315,6 +315,36 @@ def test_barriers_require_synchronize(data):
         rule.apply(w, np.array([0]), np.array([0.1]), writer=1)
 
 
+@pytest.mark.parametrize("reg", REGS)
+@pytest.mark.parametrize("algorithm", LAZY_RULES)
+def test_a_new_step_size_after_synchronize_keeps_lazy_equal_to_eager(algorithm, reg, data):
+    """--gamma-decay changes γ at whole epochs, after the drain's synchronize: the lazy catch-up of the
+    steps after the change uses the new γ only, exactly as the eager kernels do."""
+    X, _ = data
+    rng = np.random.default_rng(5)
+    theta_init = rng.normal(size=X.shape[0])
+    weights = {}
+    for lazy in (True, False):
+        rule = _rule(algorithm, X, reg, gamma=0.2, lazy=lazy)
+        w = np.zeros(X.shape[1])
+        if rule.needs_snapshot:
+            rule.snapshot(theta_init)
+        if rule.needs_initial_pass:
+            rule.initialize(theta_init, w)
+        steps = np.random.default_rng(6)
+        for gamma in (0.2, 0.1, 0.05):
+            rule.synchronize(w)
+            rule.set_gamma(gamma)
+            rule.apply(w, steps.integers(0, X.shape[0], size=60), steps.normal(size=60))
+        rule.synchronize(w)
+        weights[lazy] = w
+    np.testing.assert_allclose(weights[True], weights[False], rtol=1e-12, atol=1e-12)
+    rule = _rule(algorithm, X, reg)
+    rule.apply(np.zeros(X.shape[1]), np.array([0]), np.array([0.5]))
+    with pytest.raises(RuntimeError, match="synchronize first"):
+        rule.set_gamma(0.01)
+
+
 def _disjoint_streams(X, steps, rng):
     """Two streams whose rows touch disjoint feature sets (first half / second half)."""
     d = X.shape[1]

@@ -131,6 +131,17 @@ def test_snapshots_follow_snapshot_every_not_the_evaluation_period(svrg_run):
     assert int(np.sum(_transcript(svrg_run, 2)["tags"] == AUDIT_FULL_THETA)) == 8
 
 
+def test_gamma_decay_changes_the_step_at_whole_epochs(tmp_path):
+    """--gamma-decay 1: γ, γ/2, γ/3 in epochs 0, 1, 2, even when one evaluation period spans all three
+    (segments are cut at whole epochs), and each record says the step of the epoch it closes."""
+    train(tmp_path, "-n", "3", "-m", "2", "--algorithm", "sgd", *CANCER, "--gamma", "0.3",
+          "--gamma-decay", "1", "--epochs", "3", "--eval-every", "3")
+    records = metrics(tmp_path)
+    assert [r["epoch"] for r in records] == [0, 1, 2, 3]
+    assert [r.get("gamma") for r in records[1:]] == pytest.approx([0.3, 0.15, 0.1], rel=1e-15)
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
 def test_variance_reduction_beats_sgd_per_epoch(svrg_run, tmp_path):
     train(tmp_path, "-n", "3", "-m", "2", "--algorithm", "sgd", "--epochs", "8", *CANCER)
     sgd, svrg = metrics(tmp_path)[-1], metrics(svrg_run)[-1]

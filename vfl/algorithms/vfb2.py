@@ -116,16 +116,13 @@ class UpdateRule(ABC):
                              f"{writers}, {exact_gap}")
         self.block = block
         self.regularizer = regularizer
-        self.gamma = float(gamma)
         self.lam = float(lam)
         self.reg = regularizer_code(regularizer, self.lam)
         self.batch_size = int(batch_size)
         self.writers = int(writers)
         self.exact_gap = int(exact_gap)
         self.lazy = bool(lazy) and self._mode is not None
-        #: log(1 − γλ), NaN when 1 − γλ < 0 (the L2 closed form then uses a plain power).
-        gl = self.gamma * self.lam
-        self._log_a = math.log1p(-gl) if gl <= 1.0 else math.nan
+        self._set_gamma(gamma)
         #: per coordinate: the clock value up to which w_j holds all dense steps
         self.last = np.zeros(block.n_cols, dtype=np.int64)
         #: per writer slot: steps applied; one 64-byte row each (no false sharing)
@@ -200,6 +197,20 @@ class UpdateRule(ABC):
             kernels.lazy_synchronize(w, self.mu, self._mode != kernels.MODE_SGD, self.gamma, self.lam,
                                      self.reg, self.last, self.counters, self._log_a, self.exact_gap)
         self._synced_at = self.steps
+
+    def set_gamma(self, gamma: float) -> None:
+        """A new step size from the next step on (a schedule, at a segment boundary). Only after
+        :meth:`synchronize` with nothing applied since: the lazy catch-up of a coordinate assumes one γ
+        over all the steps since it was last brought up to date."""
+        if self.lazy and self._synced_at != self.steps:
+            raise RuntimeError("set_gamma needs every coordinate up to date: call synchronize first")
+        self._set_gamma(gamma)
+
+    def _set_gamma(self, gamma: float) -> None:
+        self.gamma = float(gamma)
+        #: log(1 − γλ), NaN when 1 − γλ < 0 (the L2 closed form then uses a plain power).
+        gl = self.gamma * self.lam
+        self._log_a = math.log1p(-gl) if gl <= 1.0 else math.nan
 
     def _set_mean_gradient(self, theta: np.ndarray) -> None:
         """μ_l = X_lᵀϑ / n, written into the existing ``mu`` (a snapshot at 4M columns would otherwise
