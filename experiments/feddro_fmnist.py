@@ -46,14 +46,8 @@ import torch
 from vfl.datasets import load
 from vfl.hfl.data import FederatedData
 from vfl.hfl.dro_objectives import ERM, KLDRO, LossComposition
-from vfl.hfl.feddro import (
-    CompositionalSimulation,
-    FedDRO,
-    FederatedDRO,
-    StepDecay,
-    TorchModel,
-    mlp,
-)
+from vfl.hfl.feddro import CompositionalSimulation, FedDRO, FederatedDRO, StepDecay
+from vfl.hfl.models import TorchModel, torch_mlp
 from vfl.hfl.partitions import iid_partition, imbalanced_st_indices, shard_partition
 
 PARTS = ("main", "period", "clients", "ablation", "sweep")
@@ -454,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)          # tiny batched ops: one thread is ~15x faster on a loaded 2-core box
     started = time.perf_counter()
     data = load_st(setting)
-    model = mlp(data.X_train.shape[1], setting.hidden, data.n_classes)
+    model = torch_mlp(data.X_train.shape[1], setting.hidden, data.n_classes)
     print(f"{setting.dataset}-ST: {data.y_train.size} train rows, class counts "
           f"{np.bincount(data.y_train).tolist()}; {model}; parts {parts}", flush=True)
     summary: dict[str, Any] = {"setting": {**setting.__dict__, "model": repr(model), "objective": "kl-dro",

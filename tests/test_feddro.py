@@ -21,14 +21,9 @@ from vfl.hfl.dro_objectives import (
     p1_problem,
     p2_problem,
 )
-from vfl.hfl.feddro import (
-    CompositionalSimulation,
-    FedDRO,
-    FederatedDRO,
-    StepDecay,
-    mlp,
-    small_cnn,
-)
+from vfl.hfl.feddro import CompositionalSimulation, FedDRO, FederatedDRO, StepDecay
+from vfl.hfl.models import small_cnn
+from vfl.hfl.models import torch_mlp as mlp
 from vfl.hfl.partitions import imbalanced_st_indices, shard_partition
 
 P2_X0 = torch.tensor([2.0, 2.0], dtype=torch.float64)
@@ -525,7 +520,7 @@ def test_quick_image_experiment_writes_every_table_plot_and_measured_bits(quick_
                  "main.png", "period.png"):
         assert (out / name).stat().st_size > 0, name
     summary = json.loads((out / "summary.json").read_text())
-    d = module.mlp(64, module.QUICK.hidden, 10).dim
+    d = module.torch_mlp(64, module.QUICK.hidden, 10).dim
     finals = summary["main"]["finals"]
     mbsgd = finals["MBSGD-CO (parallel)"][0]
     assert mbsgd["uplink_bits_per_client_round"] == 32 * d + 64           # model + one float64 per round

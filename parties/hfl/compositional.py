@@ -33,7 +33,8 @@ from parties.hfl.config import HflConfig
 from parties.hfl.round_context import StackBatches
 from parties.hfl.wire import SERVER, Kind, WireError, recv_frame, send_frame
 from vfl.hfl.dro_objectives import FLOAT, LossComposition
-from vfl.hfl.feddro import CompositionalSimulation, FedDRO, FederatedDRO, TorchModel
+from vfl.hfl.feddro import CompositionalSimulation, FedDRO, FederatedDRO
+from vfl.hfl.models import TorchModel
 
 # --------------------------------------------------------------------------------------- messages
 

@@ -45,9 +45,7 @@ from vfl.hfl.base import Compressor as CompressorOption
 from vfl.hfl.cnn import Table4CNN
 from vfl.hfl.dro_objectives import DRO_OBJECTIVES, LossComposition, make_objective
 from vfl.hfl.fedbat import LocalTraining, Method
-from vfl.hfl.feddro import TorchModel
-from vfl.hfl.feddro import mlp as dro_mlp
-from vfl.hfl.models import BatchedModel
+from vfl.hfl.models import BatchedModel, TorchModel, torch_mlp
 
 MODELS = ("softmax", "mlp", "least-squares", "cnn")
 LAYERED_MODELS = ("cnn",)
@@ -289,7 +287,7 @@ def build_dro_model(config: HflConfig) -> TorchModel:
     """FedDRO's classifier, used through ``torch.func.vmap``: softmax regression or the ``--hidden`` MLP."""
     assert config.n_features is not None and config.n_classes is not None, "validate() fills them"
     hidden = tuple(config.hidden) if config.model == "mlp" else ()
-    return dro_mlp(config.n_features, hidden, config.n_classes)
+    return torch_mlp(config.n_features, hidden, config.n_classes)
 
 
 def build_objective(config: HflConfig) -> LossComposition:

@@ -50,24 +50,21 @@ training sets.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
 import torch
-from torch import nn
-from torch.func import functional_call, vmap
 
 from vfl.hfl.base import VectorState, wire_bits
 from vfl.hfl.data import FederatedData
 from vfl.hfl.dro_objectives import FLOAT, LossComposition
 from vfl.hfl.engine import Streams
+from vfl.hfl.models import TorchModel
 
 YSync = Literal["step", "round", "never"]
 InitMode = Literal["blend", "skip"]
-EVAL_CHUNK = 4096
 
 
 # ------------------------------------------------------------------------------------------ problems
@@ -106,78 +103,6 @@ class CompositeProblem(Protocol):
     def init(self, generator: torch.Generator) -> torch.Tensor: ...
 
     def diagnostics(self) -> dict[str, float]: ...
-
-
-class TorchModel:
-    """A ``torch.nn`` classifier used as a function of a flat parameter vector ``[d]``, batched over
-    clients with ``torch.func.vmap``: per-sample cross-entropy losses ``[K, B]`` for ``W [K, d]``,
-    differentiable in ``W``. Parameters are laid out in ``module.named_parameters()`` order."""
-
-    def __init__(self, module: nn.Module, n_features: int, n_classes: int) -> None:
-        self.module = module
-        self.n_features = n_features
-        self.n_classes = n_classes
-        self._layout = [(name, tuple(p.shape), p.numel()) for name, p in module.named_parameters()]
-        self.dim = sum(n for _, _, n in self._layout)
-
-    def __repr__(self) -> str:
-        return f"TorchModel({type(self.module).__name__}, d={self.dim})"
-
-    def init(self, generator: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """U(±1/√fan_in) for every weight and the bias after it (torch.nn's default bounds), seeded."""
-        pieces, bound = [], 1.0
-        for _, shape, n in self._layout:
-            if len(shape) > 1:
-                bound = 1.0 / math.sqrt(math.prod(shape[1:]))
-            pieces.append(torch.empty(n, dtype=torch.float64).uniform_(-bound, bound, generator=generator))
-        return torch.cat(pieces).to(dtype)
-
-    def _unflatten(self, W: torch.Tensor) -> dict[str, torch.Tensor]:
-        lead = W.shape[:-1]
-        params, offset = {}, 0
-        for name, shape, n in self._layout:
-            params[name] = W[..., offset:offset + n].reshape(*lead, *shape)
-            offset += n
-        return params
-
-    def _losses_one(self, params: dict[str, torch.Tensor], X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = functional_call(self.module, params, (X,))
-        return nn.functional.cross_entropy(logits, y, reduction="none")
-
-    def per_sample_losses(self, W: torch.Tensor, X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """ℓ(w_k; x_{k,j}) ``[K, B]`` for ``W [K, d]``, ``X [K, B, p]``, ``y [K, B]``."""
-        return vmap(self._losses_one)(self._unflatten(W), X.to(W.dtype), y)
-
-    @torch.no_grad()
-    def losses_and_predictions(self, w: torch.Tensor, X: torch.Tensor, y: torch.Tensor
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-sample losses and predicted classes of one model ``w [d]`` on a whole data set."""
-        params = self._unflatten(w)
-        losses, predictions = [], []
-        for start in range(0, X.shape[0], EVAL_CHUNK):
-            logits = functional_call(self.module, params, (X[start:start + EVAL_CHUNK].to(w.dtype),))
-            losses.append(nn.functional.cross_entropy(logits, y[start:start + EVAL_CHUNK], reduction="none"))
-            predictions.append(logits.argmax(dim=1))
-        return torch.cat(losses), torch.cat(predictions)
-
-
-def small_cnn(n_classes: int = 10, side: int = 28) -> TorchModel:
-    """conv5×5(1→16)-ReLU-maxpool2 → conv5×5(16→32)-ReLU-maxpool2 → linear (18,378 parameters at 28×28):
-    a CPU-sized stand-in for the paper's ResNet20 (no BatchNorm)."""
-    flat = 32 * (((side - 4) // 2 - 4) // 2) ** 2
-    module = nn.Sequential(nn.Unflatten(-1, (1, side, side)), nn.Conv2d(1, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
-                           nn.Conv2d(16, 32, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(-3),
-                           nn.Linear(flat, n_classes))
-    return TorchModel(module, side * side, n_classes)
-
-
-def mlp(n_features: int, hidden: tuple[int, ...], n_classes: int) -> TorchModel:
-    """Fully connected ReLU network (``hidden=()`` is softmax regression)."""
-    sizes = [n_features, *hidden, n_classes]
-    layers: list[nn.Module] = []
-    for fan_in, fan_out in itertools.pairwise(sizes):
-        layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
-    return TorchModel(nn.Sequential(*layers[:-1]), n_features, n_classes)
 
 
 @dataclass(frozen=True)

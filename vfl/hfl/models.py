@@ -7,6 +7,9 @@ loop over clients. Forward and backward are written by hand: the gradient of eac
 ``bmm(..., out=view)`` straight into its slice of the flat ``[S, d]`` gradient, so there is no autograd
 graph, no per-layer ``cat``, and the algorithms see the flat vectors they reason about.
 
+:class:`TorchModel` is the same protocol for any stateless ``torch.nn`` module, by autograd through
+``torch.func.vmap`` (FedDRO's models, and a CNN for the flat algorithms).
+
 Parameter layout of :class:`MLP` (per layer, in order): weight ``[fan_in, fan_out]`` row-major, then bias
 ``[fan_out]``. The loss is the mean over the minibatch (cross-entropy for classifiers, ½ squared error for
 :class:`LeastSquares`).
@@ -14,14 +17,18 @@ Parameter layout of :class:`MLP` (per layer, in order): weight ``[fan_in, fan_ou
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 import torch
+from torch import nn
+from torch.func import functional_call, vmap
 
 EVAL_CHUNK = 8192
+TORCH_EVAL_CHUNK = 4096
 
 
 class BatchedModel(Protocol):
@@ -143,12 +150,16 @@ class MLP:
         return {"loss": total_loss / n, "accuracy": correct / n}
 
     def check_data(self, X: torch.Tensor, y: torch.Tensor, where: str) -> None:
-        _check_features(X, y, self.n_features, where)
-        if y.dtype != torch.int64:
-            raise TypeError(f"{where}: class labels must be int64, got {y.dtype}")
-        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.n_classes):
-            raise ValueError(f"{where}: labels must lie in [0, {self.n_classes}), "
-                             f"got range [{int(y.min())}, {int(y.max())}]")
+        _check_classes(X, y, self.n_features, self.n_classes, where)
+
+
+def _check_classes(X: torch.Tensor, y: torch.Tensor, n_features: int, n_classes: int, where: str) -> None:
+    _check_features(X, y, n_features, where)
+    if y.dtype != torch.int64:
+        raise TypeError(f"{where}: class labels must be int64, got {y.dtype}")
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= n_classes):
+        raise ValueError(f"{where}: labels must lie in [0, {n_classes}), "
+                         f"got range [{int(y.min())}, {int(y.max())}]")
 
 
 def softmax_regression(n_features: int, n_classes: int) -> MLP:
@@ -188,6 +199,100 @@ class LeastSquares:
         _check_features(X, y, self.n_features, where)
         if not y.is_floating_point():
             raise TypeError(f"{where}: regression targets must be floating point, got {y.dtype}")
+
+
+class TorchModel:
+    """A ``torch.nn`` classifier used as a function of a flat parameter vector ``[d]``, batched over
+    clients with ``torch.func.vmap``: per-sample cross-entropy losses ``[K, B]`` for ``W [K, d]``,
+    differentiable in ``W``. Parameters are laid out in ``module.named_parameters()`` order.
+
+    It is a :class:`BatchedModel` (autograd through vmap where :class:`MLP` writes its backward by hand),
+    so every flat-vector algorithm runs on any stateless module; FedDRO uses its per-sample losses. A
+    module with BatchNorm has state besides its parameters and runs on the layered backbone instead
+    (:mod:`vfl.hfl.fedbat`)."""
+
+    def __init__(self, module: nn.Module, n_features: int, n_classes: int) -> None:
+        self.module = module
+        self.n_features = n_features
+        self.n_classes = n_classes
+        self._layout = [(name, tuple(p.shape), p.numel()) for name, p in module.named_parameters()]
+        self.dim = sum(n for _, _, n in self._layout)
+
+    def __repr__(self) -> str:
+        return f"TorchModel({type(self.module).__name__}, d={self.dim})"
+
+    def init(self, generator: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """U(±1/√fan_in) for every weight and the bias after it (torch.nn's default bounds), seeded."""
+        pieces, bound = [], 1.0
+        for _, shape, n in self._layout:
+            if len(shape) > 1:
+                bound = 1.0 / math.sqrt(math.prod(shape[1:]))
+            pieces.append(torch.empty(n, dtype=torch.float64).uniform_(-bound, bound, generator=generator))
+        return torch.cat(pieces).to(dtype)
+
+    def _unflatten(self, W: torch.Tensor) -> dict[str, torch.Tensor]:
+        lead = W.shape[:-1]
+        params, offset = {}, 0
+        for name, shape, n in self._layout:
+            params[name] = W[..., offset:offset + n].reshape(*lead, *shape)
+            offset += n
+        return params
+
+    def _losses_one(self, params: dict[str, torch.Tensor], X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = functional_call(self.module, params, (X,))
+        return nn.functional.cross_entropy(logits, y, reduction="none")
+
+    def per_sample_losses(self, W: torch.Tensor, X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """ℓ(w_k; x_{k,j}) ``[K, B]`` for ``W [K, d]``, ``X [K, B, p]``, ``y [K, B]``."""
+        return vmap(self._losses_one)(self._unflatten(W), X.to(W.dtype), y)
+
+    @torch.no_grad()
+    def losses_and_predictions(self, w: torch.Tensor, X: torch.Tensor, y: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample losses and predicted classes of one model ``w [d]`` on a whole data set."""
+        params = self._unflatten(w)
+        losses, predictions = [], []
+        for start in range(0, X.shape[0], TORCH_EVAL_CHUNK):
+            stop = start + TORCH_EVAL_CHUNK
+            logits = functional_call(self.module, params, (X[start:stop].to(w.dtype),))
+            losses.append(nn.functional.cross_entropy(logits, y[start:stop], reduction="none"))
+            predictions.append(logits.argmax(dim=1))
+        return torch.cat(losses), torch.cat(predictions)
+
+    def loss_and_grad(self, W: torch.Tensor, X: torch.Tensor, y: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean minibatch loss ``[S]`` and its gradient ``[S, d]``, by autograd (:class:`BatchedModel`)."""
+        leaf = W.detach().requires_grad_(True)
+        loss = self.per_sample_losses(leaf, X, y).mean(dim=1)
+        (grad,) = torch.autograd.grad(loss.sum(), leaf)
+        return loss.detach(), grad
+
+    def evaluate(self, w: torch.Tensor, X: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        losses, predictions = self.losses_and_predictions(w, X, y)
+        return {"loss": float(losses.to(torch.float64).mean()),
+                "accuracy": float((predictions == y).to(torch.float64).mean())}
+
+    def check_data(self, X: torch.Tensor, y: torch.Tensor, where: str) -> None:
+        _check_classes(X, y, self.n_features, self.n_classes, where)
+
+
+def small_cnn(n_classes: int = 10, side: int = 28) -> TorchModel:
+    """conv5×5(1→16)-ReLU-maxpool2 → conv5×5(16→32)-ReLU-maxpool2 → linear (18,378 parameters at 28×28):
+    a CPU-sized stand-in for the paper's ResNet20 (no BatchNorm)."""
+    flat = 32 * (((side - 4) // 2 - 4) // 2) ** 2
+    module = nn.Sequential(nn.Unflatten(-1, (1, side, side)), nn.Conv2d(1, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+                           nn.Conv2d(16, 32, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(-3),
+                           nn.Linear(flat, n_classes))
+    return TorchModel(module, side * side, n_classes)
+
+
+def torch_mlp(n_features: int, hidden: tuple[int, ...], n_classes: int) -> TorchModel:
+    """Fully connected ReLU network (``hidden=()`` is softmax regression)."""
+    sizes = [n_features, *hidden, n_classes]
+    layers: list[nn.Module] = []
+    for fan_in, fan_out in itertools.pairwise(sizes):
+        layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+    return TorchModel(nn.Sequential(*layers[:-1]), n_features, n_classes)
 
 
 def least_squares_optimum(X: np.ndarray, y: np.ndarray, parts: Sequence[np.ndarray]) -> np.ndarray:
