@@ -101,15 +101,21 @@ def svrg_apply(indptr, indices, data, w, rows, thetas, theta0, mu, gamma, lam, r
     ``w -= γ (mean_b (ϑ_b − ϑ_{0,i_b}) x_{i_b} + μ + λ ∇g(ŵ))`` where ``μ = (1/n) X_l^T ϑ_0``. The
     regulariser terms of the listing, λ∇g(ŵ) − λ∇g(w^s) + λ∇g(w^s), collapse to λ∇g(ŵ) exactly.
     """
-    d = w.size
     for s in range(rows.size // batch):
-        for j in range(d):
-            w[j] -= gamma * (mu[j] + lam * _reg_grad(reg, w[j]))
-        for k in range(s * batch, (s + 1) * batch):
-            i = rows[k]
-            step = gamma * (thetas[k] - theta0[i]) / batch
-            for p in range(indptr[i], indptr[i + 1]):
-                w[indices[p]] -= step * data[p]
+        _reference_step(indptr, indices, data, w, rows, thetas, theta0, mu, gamma, lam, reg, s, batch)
+
+
+@njit(nogil=True, cache=True)
+def _reference_step(indptr, indices, data, w, rows, thetas, ref, mu, gamma, lam, reg, s, batch):
+    """Step ``s`` of SVRG and SAGA-scalar, which differ only in the ϑ a pair is compared with (``ref``:
+    ϑ_0 or the table): ``w -= γ (μ + λ∇g(w))``, then ``w -= γ/B Σ_b (ϑ_b − ref_{i_b}) x_{i_b}``."""
+    for j in range(w.size):
+        w[j] -= gamma * (mu[j] + lam * _reg_grad(reg, w[j]))
+    for k in range(s * batch, (s + 1) * batch):
+        i = rows[k]
+        step = gamma * (thetas[k] - ref[i]) / batch
+        for p in range(indptr[i], indptr[i + 1]):
+            w[indices[p]] -= step * data[p]
 
 
 @njit(nogil=True, cache=True)
@@ -133,24 +139,27 @@ def saga_table_apply(indptr, indices, data, w, rows, thetas, table, mean, scratc
             acc[j] = 0.0
         for k in range(s * batch, (s + 1) * batch):
             i = rows[k]
-            for j in range(d):
-                cur[j] = reg_g[j]
-            for p in range(indptr[i], indptr[i + 1]):
-                cur[indices[p]] += thetas[k] * data[p]
+            _table_entry(indptr, indices, data, i, thetas[k], reg_g, cur)
             for j in range(d):
                 acc[j] += cur[j] - table[i, j]
         for j in range(d):
             w[j] -= gamma * (acc[j] / batch + mean[j])
         for k in range(s * batch, (s + 1) * batch):
             i = rows[k]
-            for j in range(d):
-                cur[j] = reg_g[j]
-            for p in range(indptr[i], indptr[i + 1]):
-                cur[indices[p]] += thetas[k] * data[p]
+            _table_entry(indptr, indices, data, i, thetas[k], reg_g, cur)
             for j in range(d):
                 old = table[i, j]
                 mean[j] += (cur[j] - old) / n
                 table[i, j] = cur[j]
+
+
+@njit(nogil=True, cache=True)
+def _table_entry(indptr, indices, data, i, theta, reg_g, cur):
+    """``cur`` = α_i = ϑ x_i + λ∇g(ŵ), the block gradient the exact SAGA table holds for sample i."""
+    for j in range(cur.size):
+        cur[j] = reg_g[j]
+    for p in range(indptr[i], indptr[i + 1]):
+        cur[indices[p]] += theta * data[p]
 
 
 @njit(nogil=True, cache=True)
@@ -175,15 +184,8 @@ def saga_scalar_apply(indptr, indices, data, w, rows, thetas, theta_table, mu, g
     compared with the table as it was before the step; then the B ϑ's are stored in order (a repeated
     row: the last one wins, μ stays exactly (1/n) X^T ϑ^old).
     """
-    d = w.size
     for s in range(rows.size // batch):
-        for j in range(d):
-            w[j] -= gamma * (mu[j] + lam * _reg_grad(reg, w[j]))
-        for k in range(s * batch, (s + 1) * batch):
-            i = rows[k]
-            step = gamma * (thetas[k] - theta_table[i]) / batch
-            for p in range(indptr[i], indptr[i + 1]):
-                w[indices[p]] -= step * data[p]
+        _reference_step(indptr, indices, data, w, rows, thetas, theta_table, mu, gamma, lam, reg, s, batch)
         _saga_scalar_store(indptr, indices, data, rows, thetas, theta_table, mu, s * batch, (s + 1) * batch)
 
 
