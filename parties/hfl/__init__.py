@@ -1,5 +1,8 @@
 """Horizontal FL under ``mpiexec``: the simulation's algorithm objects, run by a server rank and client
-processes that hold their own data and their own clients' state.
+processes that hold their own data and their own clients' state. Three kinds of round share the command,
+the options and the server loop (:attr:`HflConfig.family`): the flat-vector algorithms (described
+below), FedBAT's layered backbone (:mod:`~parties.hfl.layered`) and FedDRO
+(:mod:`~parties.hfl.compositional`).
 
     python -m parties.hfl --algorithm scaffold --dataset digits --clients 20 --per-round 5 --rounds 50 \\
         --processes 2 --out runs/hfl-scaffold
@@ -66,6 +69,10 @@ Where things are (each module imports only modules above it in this list):
 - :mod:`~parties.hfl.job`: what every rank builds the same way before round 0; gradient initialisations.
 - :mod:`~parties.hfl.client`: :class:`ClientProcess`, a client rank.
 - :mod:`~parties.hfl.server`: :class:`Server`, rank 0.
+- :mod:`~parties.hfl.layered`: the ranks of the layered backbone (``--model cnn``: FedBAT and its
+  baselines), which replay the shared minibatch stream of clients hosted elsewhere.
+- :mod:`~parties.hfl.compositional`: the ranks of FedDRO (``--algorithm feddro``), which exchange at
+  every local step.
 - :mod:`~parties.hfl.ranks`: :func:`run_ranks`, :func:`run_job` and the server's loop over the rounds.
 - :mod:`~parties.hfl.launcher`: :func:`launch`: validate, write ``config.json``, run ``mpiexec``.
 - :mod:`~parties.hfl.cli` (and ``__main__``): :func:`main`, :func:`build_parser`, :func:`from_args`.
