@@ -5,7 +5,9 @@ Two data sets with the same rows, the same nonzeros per row and the same values,
 * ``wide``: the webspam stand-in's generator (:mod:`vfl.datasets.synth`) at its full 16,609,143
   columns, ``--rows`` rows (default 2,000, ~3,700 nonzeros a row: ~7.4M nonzeros, ~90 MB as CSR; the
   real 350,000 rows would be ~15.6 GB, more than this machine has);
-* ``narrow``: each row's nonzeros moved onto 10,000 columns (the same count, distinct, uniform).
+* ``narrow``: each row's nonzeros moved onto 10,000 columns (the same count, distinct, uniform);
+* ``wide-freq``: the wide data split with ``column_order="frequency"``: each party numbers its columns
+  by how many rows use them, so the busy columns share cache lines (the same model, another numbering).
 
 A row longer than 10,000 nonzeros (the log-normal's tail) is cut to 10,000 in both, so that the
 narrow copy can hold it: the realised mean is ~3,450 a row rather than webspam's 3,728.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -46,7 +49,9 @@ from vfl.partition import random_blocks
 OUT = Path(__file__).resolve().parent / "results" / "webspam_shape"
 NARROW = 10_000
 Q, M = 4, 2
-COLOURS = {"wide": "tab:red", "narrow": "tab:blue"}
+COLOURS = {"narrow": "tab:blue", "wide": "tab:red", "wide-freq": "tab:orange"}
+LABELS = {"narrow": "10k features", "wide": "16.6M features, columns by index",
+          "wide-freq": "16.6M features, columns by frequency"}
 
 
 def cpu_model() -> str:
@@ -145,13 +150,14 @@ def plot(rows: list[dict], algorithms: list[str], out: Path, header: str) -> Non
 
     plt = pyplot()
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4.4), layout="constrained")
-    width = 0.38
-    for i, name in enumerate(("narrow", "wide")):
+    names = [name for name in COLOURS if any(r["data"] == name for r in rows)]
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
         for j, alg in enumerate(algorithms):
             times = [r["epoch_s"] for r in rows if r["data"] == name and r["algorithm"] == alg]
-            x = j + (i - 0.5) * width
+            x = j + (i - (len(names) - 1) / 2) * width
             ax_t.bar(x, statistics.median(times), width, color=COLOURS[name],
-                     label=f"{name} ({'16.6M' if name == 'wide' else '10k'} features)" if j == 0 else None)
+                     label=LABELS[name] if j == 0 else None)
             ax_t.plot([x] * len(times), times, "k.", ms=4)
             peaks = [max(r["peak_rss"]) / 2**20 for r in rows if r["data"] == name and r["algorithm"] == alg]
             ax_m.bar(x, statistics.median(peaks), width, color=COLOURS[name])
@@ -196,18 +202,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"data: {args.rows:,} rows, {nnz:,} nonzeros ({nnz / args.rows:,.0f} a row), "
               f"{time.perf_counter() - started:.0f} s to generate", flush=True)
         folders = {}
-        for ds in (wide, narrow):
-            name = ds.name.rsplit("-", 1)[1]
+        for name, ds, order in (("wide", wide, "index"), ("narrow", narrow, "index"),
+                                ("wide-freq", wide, "frequency")):
             folders[name] = work / name
             split_to_party_files(ds, random_blocks(ds.n_features, Q, seed=0), list(range(M)), folders[name],
-                                 partition_seed=0, layout="folder")
+                                 partition_seed=0, layout="folder", column_order=order)
         share = {name: [folder_bytes(folder / f"party-{p}") for p in range(Q)]
                  for name, folder in folders.items()}
         del wide, narrow
         rows = []
         for repeat in range(args.repeats):
             for alg in args.algorithms:
-                for name in ("wide", "narrow"):
+                for name in ("wide", "narrow", "wide-freq"):
                     row = {"data": name, "algorithm": alg, "repeat": repeat,
                            **run_one(folders[name], alg, args.epochs, args.gamma, work)}
                     rows.append(row)
@@ -243,15 +249,19 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
     lines = [f"webspam shape, {n:,} rows ({meta['train_rows']:,} train) × {nnz / n:,.0f} nonzeros a row, "
              f"q = {Q}, m = {M}; {meta['cpu']}, {meta['cores']} cores, load {before[0]:.1f} → {after[0]:.1f} "
              f"(a shared 2-core box)", "",
-             "| algorithm | s/epoch, 10k features | s/epoch, 16.6M features | ratio wide/narrow | "
-             "peak RSS per rank, narrow (MiB) | peak RSS per rank, wide (MiB) |", "|---|---|---|---|---|---|"]
+             "| algorithm | s/epoch, 10k features | s/epoch, 16.6M (by index) | ratio | "
+             "s/epoch, 16.6M (by frequency) | ratio | peak RSS per rank, narrow / wide (MiB) |",
+             "|---|---|---|---|---|---|---|"]
     for alg in algorithms:
         t = {d: [r["epoch_s"] for r in rows if r["data"] == d and r["algorithm"] == alg] for d in COLOURS}
         m = {d: [max(r["peak_rss"]) / 2**20 for r in rows if r["data"] == d and r["algorithm"] == alg]
              for d in COLOURS}
-        ratio = statistics.median(t["wide"]) / statistics.median(t["narrow"])
-        lines.append(f"| VFB²-{alg} | {spread(t['narrow'])} | {spread(t['wide'])} | {ratio:.2f} | "
-                     f"{spread(m['narrow'], 0)} | {spread(m['wide'], 0)} |")
+        ratio = {d: statistics.median(t[d]) / statistics.median(t["narrow"]) if t[d] else math.nan
+                 for d in ("wide", "wide-freq")}
+        freq = spread(t["wide-freq"]) if t["wide-freq"] else "—"
+        lines.append(f"| VFB²-{alg} | {spread(t['narrow'])} | {spread(t['wide'])} | {ratio['wide']:.2f} | "
+                     f"{freq} | {ratio['wide-freq']:.2f} | "
+                     f"{spread(m['narrow'], 0)} / {spread(m['wide'], 0)} |")
     share, vector = max(meta["data_bytes_per_rank"]["wide"]) / 2**20, meta["d_l_vector_bytes_wide"] / 2**20
     lines += ["", f"Median (min–max) over {meta['repeats']} run(s). A wide rank's share of the data: "
                   f"{share:.0f} MiB on disk (memory-mapped); one d_l-long float64 vector: {vector:.0f} MiB."]

@@ -45,7 +45,7 @@ from vfl.datasets.validation import (
     checked_labels,
     locate_rows,
 )
-from vfl.partition import block_of, blocks_from_columns
+from vfl.partition import block_of, blocks_from_columns, column_counts, order_columns
 
 FORMAT = "vfl-party-file/1"
 MANIFEST_NAME = "manifest.json"
@@ -172,15 +172,20 @@ def _write_folder(out: Path, dataset: Dataset, party: int, block: np.ndarray, la
 
 def split_to_party_files(dataset: Dataset, blocks: Sequence[Sequence[int]], active: Sequence[int],
                          out_dir: str | Path, *, partition_seed: int | None = None,
-                         overwrite: bool = False, layout: str = "npz") -> list[Path]:
+                         overwrite: bool = False, layout: str = "npz",
+                         column_order: str = "index") -> list[Path]:
     """Write one file per party (and ``manifest.json``) into ``out_dir``; return the party files in
     party order. ``blocks`` must be a partition of the dataset's columns (see :mod:`vfl.partition`).
     ``layout``: ``"npz"`` (one compressed file per party) or ``"folder"`` (memory-mappable).
+    ``column_order``: how each block numbers its columns (:func:`vfl.partition.order_columns`).
     Refuses to overwrite an earlier split unless ``overwrite``.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     checked_blocks = blocks_from_columns(blocks, dataset.n_features)
+    if column_order != "index":
+        counts = column_counts(dataset.X_train, dataset.X_test, n_features=dataset.n_features)
+        checked_blocks = [order_columns(block, counts, column_order) for block in checked_blocks]
     q = len(checked_blocks)
     active_parties = _check_active(active, q)
     out = Path(out_dir)

@@ -42,7 +42,7 @@ from vfl.datasets.party_files import (
 from vfl.datasets.party_folder import FOLDER_FORMAT, META_NAME, SPLITS, NpyAppender
 from vfl.datasets.paths import open_binary
 from vfl.datasets.validation import TASKS, DataValidationError, checked_labels
-from vfl.partition import contiguous_blocks, random_blocks
+from vfl.partition import contiguous_blocks, order_columns, random_blocks
 
 CHUNK_BYTES = 8 << 20
 
@@ -134,15 +134,21 @@ class _Survey:
     min_index: int
     max_index: int
     max_line: int
+    counts: np.ndarray  # nonzeros per raw column index (for --column-order frequency)
 
 
 def _survey(path: Path, chunk_bytes: int) -> _Survey:
     labels, lines = [], []
     low, high, high_line = math.inf, -1, 0
+    counts = np.zeros(0, dtype=np.int64)
     for chunk in _chunks(path, chunk_bytes):
         labels.append(chunk.y)
         lines.append(chunk.lines)
         if chunk.X.nnz:
+            here = np.bincount(chunk.X.indices)
+            if here.size > counts.size:
+                counts = np.concatenate([counts, np.zeros(here.size - counts.size, dtype=np.int64)])
+            counts[:here.size] += here
             low = min(low, int(chunk.X.indices.min()))
             top = int(chunk.X.indices.max())
             if top > high:
@@ -151,7 +157,7 @@ def _survey(path: Path, chunk_bytes: int) -> _Survey:
     if not labels:
         raise DataValidationError(f"{path}: no rows (an empty LIBSVM file)")
     return _Survey(int(sum(y.size for y in labels)), np.concatenate(labels), np.concatenate(lines),
-                   0 if low == math.inf else int(low), high, high_line)
+                   0 if low == math.inf else int(low), high, high_line, counts)
 
 
 def _stand_in_info(path: Path) -> dict | None:
@@ -196,13 +202,16 @@ class _PartyWriter:
 def split_libsvm_file(path: str | Path, parties: int, active: Sequence[int], out_dir: str | Path, *,
                       seed: int = 0, partition_seed: int | None = None, contiguous: bool = False,
                       n_features: int | None = None, task: str = "binary", dataset: str | None = None,
-                      overwrite: bool = False, chunk_bytes: int = CHUNK_BYTES) -> list[Path]:
+                      overwrite: bool = False, chunk_bytes: int = CHUNK_BYTES,
+                      column_order: str = "index") -> list[Path]:
     """Split a LIBSVM file (plain, .gz, .bz2) into ``party-<p>/`` folders and ``manifest.json``.
 
     ``n_features``: the width (default: a stand-in's sidecar, else the largest index in the file).
     ``dataset``: the name recorded (default: a stand-in's name, else the file name). The train/test
     split (seed ``seed``) and the partition (``partition_seed``, default ``seed``) are those
-    ``vfl split <name>`` draws for a registered dataset of the same rows and width.
+    ``vfl split <name>`` draws for a registered dataset of the same rows and width; ``column_order``
+    numbers each block's columns as :func:`~vfl.partition.order_columns` does (counts from the first
+    pass).
     """
     source = Path(path)
     if not source.is_file():
@@ -227,6 +236,11 @@ def split_libsvm_file(path: str | Path, parties: int, active: Sequence[int], out
     is_test[test_ids] = True
     p_seed = seed if partition_seed is None else partition_seed
     blocks = contiguous_blocks(width, parties) if contiguous else random_blocks(width, parties, seed=p_seed)
+    if column_order != "index":
+        counts = np.zeros(width, dtype=np.int64)
+        raw = survey.counts[base:base + width]
+        counts[:raw.size] = raw
+        blocks = [order_columns(block, counts, column_order) for block in blocks]
     owner = np.empty(width, dtype=np.int16 if parties < 2**15 else np.int32)
     local = np.empty(width, dtype=np.int32)
     for p, block in enumerate(blocks):
@@ -249,7 +263,11 @@ def split_libsvm_file(path: str | Path, parties: int, active: Sequence[int], out
             for p, writer in enumerate(writers):
                 mask = in_split & (entry_owner == p)
                 counts = np.bincount(rows[mask], minlength=X.shape[0])[selected_rows]
-                writer.append(split, X.data[mask], local[columns[mask]], counts)
+                data, indices = X.data[mask], local[columns[mask]]
+                if column_order != "index":   # local numbers no longer follow the file's order in a row
+                    order = np.lexsort((indices, rows[mask]))
+                    data, indices = data[order], indices[order]
+                writer.append(split, data, indices, counts)
     name = dataset or (stand_in["name"] if stand_in else source.name.removesuffix(".bz2").removesuffix(".gz"))
     ids = {"train": train_ids.astype(np.int64), "test": test_ids.astype(np.int64)}
     split_labels = {"train": labels[train_ids], "test": labels[test_ids]}
