@@ -62,7 +62,7 @@ def write_party_files(config: RunConfig, out: Path) -> None:
         ds = job_dataset(config.dataset, config.seed, config.data_dir)
         blocks = random_blocks(ds.n_features, config.parties, seed=config.seed)
         split_to_party_files(ds, blocks, list(range(config.active)), folder, partition_seed=config.seed,
-                             overwrite=True, layout="folder")
+                             overwrite=True, layout="folder", column_order="auto")
     job_dataset.cache_clear()  # the launcher only waits from now on: let the data go
     config.party_files = str(folder)
 

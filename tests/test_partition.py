@@ -78,3 +78,21 @@ def test_block_of_keeps_csr_and_matches_dense_slicing() -> None:
     dense_part = block_of(dense, block)
     assert isinstance(dense_part, np.ndarray) and dense_part.flags.c_contiguous
     assert np.array_equal(dense_part, dense[:, block])
+
+
+def test_auto_column_order_renumbers_only_wide_blocks() -> None:
+    from vfl.partition import AUTO_FREQUENCY_WIDTH, order_columns
+
+    rng = np.random.default_rng(0)
+    for width in (1000, AUTO_FREQUENCY_WIDTH + 1):
+        block = np.arange(width, dtype=np.int64) * 3
+        counts = np.zeros(3 * width, dtype=np.int64)
+        counts[block] = rng.integers(0, 50, size=width)
+        ordered = order_columns(block, counts, "auto")
+        if width <= AUTO_FREQUENCY_WIDTH:
+            assert ordered is block
+        else:
+            assert np.all(np.diff(counts[ordered]) <= 0) and sorted(ordered.tolist()) == block.tolist()
+        assert order_columns(block, counts, "index") is block
+    with pytest.raises(ValueError, match="unknown column order"):
+        order_columns(block, counts, "popular")

@@ -216,9 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition-seed", type=int, default=None,
                    help="feature partition seed (default: --seed)")
     p.add_argument("--contiguous", action="store_true", help="contiguous blocks instead of random ones")
-    p.add_argument("--column-order", choices=("index", "frequency"), default="index",
+    p.add_argument("--column-order", choices=("auto", "index", "frequency"), default="auto",
                    help="how each party numbers its columns: by global index, or by how many rows use them "
-                        "(faster updates on wide, heavy-tailed data: the busy columns share cache lines)")
+                        "(faster updates on wide, heavy-tailed data: the busy columns share cache lines); "
+                        "auto: by frequency for blocks over 65,536 columns")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--data-dir", default=None)
     p.set_defaults(func=_cmd_split)

@@ -75,8 +75,14 @@ def blocks_from_columns(columns: Sequence[Sequence[int]], n_features: int) -> li
     return blocks
 
 
-COLUMN_ORDERS = ("index", "frequency")
-"""How a party's block stores its columns: by global index, or by how many rows use them."""
+COLUMN_ORDERS = ("auto", "index", "frequency")
+"""How a party's block stores its columns: by global index, by how many rows use them, or ``auto``:
+by frequency where a block is wider than :data:`AUTO_FREQUENCY_WIDTH`, by index elsewhere."""
+
+AUTO_FREQUENCY_WIDTH = 65_536
+"""Columns a block above which ``auto`` numbers by frequency: 512 KiB of float64, about where w stops
+fitting a core's L2 cache. Narrower blocks keep the index order, so small data sets split exactly as
+before."""
 
 
 def column_counts(*matrices: np.ndarray | sp.spmatrix, n_features: int) -> np.ndarray:
@@ -98,7 +104,7 @@ def order_columns(block: np.ndarray, counts: np.ndarray, order: str) -> np.ndarr
     model; only the local numbering changes, and ``columns`` maps it back."""
     if order not in COLUMN_ORDERS:
         raise ValueError(f"unknown column order {order!r}; choose one of {', '.join(COLUMN_ORDERS)}")
-    if order == "index":
+    if order == "index" or (order == "auto" and block.size <= AUTO_FREQUENCY_WIDTH):
         return block
     return block[np.argsort(-counts[block], kind="stable")]
 

@@ -240,7 +240,11 @@ def split_libsvm_file(path: str | Path, parties: int, active: Sequence[int], out
         counts = np.zeros(width, dtype=np.int64)
         raw = survey.counts[base:base + width]
         counts[:raw.size] = raw
-        blocks = [order_columns(block, counts, column_order) for block in blocks]
+        ordered = [order_columns(block, counts, column_order) for block in blocks]
+        renumbered = any(a is not b for a, b in zip(ordered, blocks, strict=True))
+        blocks = ordered
+    else:
+        renumbered = False
     owner = np.empty(width, dtype=np.int16 if parties < 2**15 else np.int32)
     local = np.empty(width, dtype=np.int32)
     for p, block in enumerate(blocks):
@@ -264,7 +268,7 @@ def split_libsvm_file(path: str | Path, parties: int, active: Sequence[int], out
                 mask = in_split & (entry_owner == p)
                 counts = np.bincount(rows[mask], minlength=X.shape[0])[selected_rows]
                 data, indices = X.data[mask], local[columns[mask]]
-                if column_order != "index":   # local numbers no longer follow the file's order in a row
+                if renumbered:   # local numbers no longer follow the file's order within a row
                     order = np.lexsort((indices, rows[mask]))
                     data, indices = data[order], indices[order]
                 writer.append(split, data, indices, counts)
