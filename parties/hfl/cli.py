@@ -13,7 +13,7 @@ from parties.hfl.config import MODELS, PARTITIONS, HflConfig, option_names
 from parties.hfl.launcher import launch
 from parties.hfl.ranks import run_ranks
 from parties.hfl.split import write_client_files
-from vfl.hfl import ALGORITHMS
+from vfl.hfl import ALGORITHMS, COMPOSITIONAL, LAYERED_METHODS
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -23,7 +23,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         description="Horizontal FL under mpiexec: rank 0 is the server, ranks 1..P host the clients. "
                     "`python -m parties.hfl split ...` writes one data file per client process.")
     d = HflConfig()
-    p.add_argument("--algorithm", default=d.algorithm, help=" | ".join(sorted(ALGORITHMS)))
+    p.add_argument("--algorithm", default=d.algorithm,
+                   help=f"{' | '.join(sorted(ALGORITHMS))}; with --model cnn: "
+                        f"{' | '.join(sorted(LAYERED_METHODS))}; {' | '.join(sorted(COMPOSITIONAL))}")
     p.add_argument("--compressor", default=None,
                    help="uplink compressor as name[:key=value,...], e.g. top-r:r=0.01, dithering:bits=2")
     for option, about in option_names().items():   # every other field of the options dataclasses
