@@ -117,13 +117,14 @@ class PeakWatcher:
             self._stop.wait(0.05)
 
 
-def run_one(folder: Path, algorithm: str, epochs: float, gamma: float, work: Path) -> dict:
+def run_one(folder: Path, algorithm: str, epochs: float, gamma: float, work: Path,
+            threads: int | None = None) -> dict:
     run = work / "run"
     shutil.rmtree(run, ignore_errors=True)
     config = RunConfig(parties=Q, active=M, party_files=str(folder), problem="logistic", algorithm=algorithm,
                        gamma=gamma, epochs=epochs, eval_every=epochs,
                        snapshot_every=epochs, out=str(run), overwrite=True,
-                       progress=False, seed=0)
+                       progress=False, seed=0, threads=threads)
     started = time.perf_counter()
     with PeakWatcher(run, Q) as watcher:
         code = launch(config, echo=False)
@@ -182,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--algorithms", nargs="+", default=["sgd", "svrg"])
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--gamma", type=float, default=0.05)
+    parser.add_argument("--threads", type=int, default=None, help="worker threads per party (default: m)")
+    parser.add_argument("--data", nargs="+", default=list(COLOURS), choices=list(COLOURS),
+                        help="which of the three data sets to time")
     parser.add_argument("--quick", action="store_true", help="200 rows, 1 repeat, sgd only")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--replot", action="store_true", help="re-render table and plot from results.json")
@@ -213,9 +217,9 @@ def main(argv: list[str] | None = None) -> None:
         rows = []
         for repeat in range(args.repeats):
             for alg in args.algorithms:
-                for name in ("wide", "narrow", "wide-freq"):
+                for name in args.data:
                     row = {"data": name, "algorithm": alg, "repeat": repeat,
-                           **run_one(folders[name], alg, args.epochs, args.gamma, work)}
+                           **run_one(folders[name], alg, args.epochs, args.gamma, work, args.threads)}
                     rows.append(row)
                     print(f"{name:>6} {alg:>5} #{repeat}: {row['epoch_s']:.2f} s/epoch, "
                           f"wall {row['wall_s']:.1f} s, peak RSS "
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     d_l = -(-SHAPES["webspam"].n_features // Q)
     meta = {"rows": args.rows, "train_rows": args.rows - args.rows // 5, "nonzeros": int(nnz),
             "features_wide": SHAPES["webspam"].n_features, "features_narrow": NARROW, "q": Q, "m": M,
-            "epochs": args.epochs, "gamma": args.gamma, "repeats": args.repeats,
+            "epochs": args.epochs, "gamma": args.gamma, "repeats": args.repeats, "threads": args.threads,
             "data_bytes_per_rank": share, "d_l_vector_bytes_wide": d_l * 8,
             "loadavg_before": load_before, "loadavg_after": load_after, "cpu": cpu_model(),
             "cores": os.cpu_count(),
@@ -254,6 +258,8 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
              "|---|---|---|---|---|---|---|"]
     for alg in algorithms:
         t = {d: [r["epoch_s"] for r in rows if r["data"] == d and r["algorithm"] == alg] for d in COLOURS}
+        if not t["narrow"]:
+            continue
         m = {d: [max(r["peak_rss"]) / 2**20 for r in rows if r["data"] == d and r["algorithm"] == alg]
              for d in COLOURS}
         ratio = {d: statistics.median(t[d]) / statistics.median(t["narrow"]) if t[d] else math.nan
