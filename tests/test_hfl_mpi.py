@@ -30,7 +30,8 @@ from parties.hfl import (
 )
 from parties.hfl.wire import WireError, decode_uplink, encode_uplink, pack_vectors, unpack_vectors
 from protocols.compression import get_compressor
-from tests.conftest import REPO_ROOT, run_mpi
+from tests.conftest import REPO_ROOT
+from tests.hfl_mpi_cases import case_config, run_cases
 from vfl.hfl import FederatedSimulation, Message
 
 SMALL = HflConfig(dataset="digits", model="softmax", dtype="float64", clients=6, per_round=3, local_steps=3,
@@ -53,26 +54,13 @@ CASES: dict[str, dict[str, object]] = {
 
 
 def _config(name: str, root: Path) -> HflConfig:
-    return dataclasses.replace(SMALL, out=str(root / name), **CASES[name])  # type: ignore[arg-type]
+    return case_config(SMALL, CASES, name, root)
 
 
 @pytest.fixture(scope="module")
 def mpi_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every case in one mpiexec job (3 ranks: server + 2 client processes), one config after another."""
-    root = tmp_path_factory.mktemp("hfl_mpi")
-    files = root / "client-files"
-    write_client_files(_config("scallion-dithering-files", root), files)
-    paths = []
-    for name in CASES:
-        config = _config(name, root)
-        if name.endswith("-files"):
-            config = dataclasses.replace(config, client_files=str(files))
-        path = root / f"{name}.json"
-        path.write_text(validate(config).to_json())
-        paths.append(path)
-    args = ["-m", "parties.hfl"] + [a for p in paths for a in ("--config", str(p))]
-    run_mpi(SMALL.processes + 1, args, timeout=180)
-    return root
+    """Every case in one mpiexec job (server + 2 client processes), one config after another."""
+    return run_cases(tmp_path_factory.mktemp("hfl_mpi"), SMALL, CASES, timeout=180)
 
 
 @pytest.mark.mpi

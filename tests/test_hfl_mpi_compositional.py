@@ -3,7 +3,6 @@ exchanges at every local step checked at the receiver, and options refused befor
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -14,9 +13,8 @@ import torch
 from parties.hfl import HflConfig, build_algorithm, load_training_data, main, validate
 from parties.hfl.compositional import _read_rows
 from parties.hfl.config import build_dro_model, build_objective
-from parties.hfl.split import write_client_files
 from parties.hfl.wire import WireError
-from tests.conftest import run_mpi
+from tests.hfl_mpi_cases import case_config, run_cases
 from vfl.hfl.feddro import CompositionalSimulation, FederatedDRO
 
 SMALL = HflConfig(algorithm="feddro", dataset="digits", model="softmax", dtype="float64", clients=6,
@@ -39,25 +37,13 @@ CASES: dict[str, dict[str, object]] = {
 
 
 def _config(name: str, root: Path) -> HflConfig:
-    return dataclasses.replace(SMALL, out=str(root / name), **CASES[name])  # type: ignore[arg-type]
+    return case_config(SMALL, CASES, name, root)
 
 
 @pytest.fixture(scope="module")
 def mpi_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("hfl_mpi_compositional")
-    files = root / "client-files"
-    write_client_files(_config("fedavg-co-ii-files", root), files)
-    paths = []
-    for name in CASES:
-        config = _config(name, root)
-        if name.endswith("-files"):
-            config = dataclasses.replace(config, client_files=str(files))
-        path = root / f"{name}.json"
-        path.write_text(validate(config).to_json())
-        paths.append(path)
-    run_mpi(SMALL.processes + 1, ["-m", "parties.hfl"] + [a for p in paths for a in ("--config", str(p))],
-            timeout=240)
-    return root
+    """Every case in one mpiexec job (server + 2 client processes), one config after another."""
+    return run_cases(tmp_path_factory.mktemp("hfl_mpi_compositional"), SMALL, CASES, timeout=240)
 
 
 @pytest.mark.mpi

@@ -15,9 +15,8 @@ import torch
 from parties.hfl import HflConfig, build_algorithm, client_blocks, load_training_data, main, validate
 from parties.hfl.config import build_cnn
 from parties.hfl.layered import LayeredServerRank, pack_state, unpack_state
-from parties.hfl.split import write_client_files
 from parties.hfl.wire import WireError
-from tests.conftest import run_mpi
+from tests.hfl_mpi_cases import case_config, run_cases
 from vfl.hfl.engine import Streams
 from vfl.hfl.fedbat import FederatedCNN, ModelLayout, sample_clients
 
@@ -38,26 +37,14 @@ CASES: dict[str, dict[str, object]] = {
 
 
 def _config(name: str, root: Path) -> HflConfig:
-    return dataclasses.replace(SMALL, out=str(root / name), **CASES[name])  # type: ignore[arg-type]
+    return case_config(SMALL, CASES, name, root)
 
 
 @pytest.fixture(scope="module")
 def mpi_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every case in one mpiexec job (server + 2 client processes), one config after another."""
-    root = tmp_path_factory.mktemp("hfl_mpi_layered")
-    files = root / "client-files"
-    write_client_files(_config("ef-signsgd-files", root), files)
-    paths = []
-    for name in CASES:
-        config = _config(name, root)
-        if name.endswith("-files"):
-            config = dataclasses.replace(config, client_files=str(files))
-        path = root / f"{name}.json"
-        path.write_text(validate(config).to_json())
-        paths.append(path)
-    run_mpi(SMALL.processes + 1, ["-m", "parties.hfl"] + [a for p in paths for a in ("--config", str(p))],
-            timeout=240, env={"OMP_NUM_THREADS": "1"})
-    return root
+    return run_cases(tmp_path_factory.mktemp("hfl_mpi_layered"), SMALL, CASES, timeout=240,
+                     env={"OMP_NUM_THREADS": "1"})
 
 
 def _simulation(config: HflConfig) -> FederatedCNN:
