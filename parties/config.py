@@ -83,6 +83,8 @@ class RunConfig:
     delta: float = 1e-5
     #: --label-privacy he --epsilon: σ of the Gaussian noise, derived by validation from (ε, δ, passes)
     noise_multiplier: float | None = None
+    #: --label-privacy he --epsilon: each party clips its rows' gradients at this quantile of their norms
+    clip_quantile: float = 1.0
     he_scheme: str = "ou"
     he_key_bits: int = 2048
     secure_channels: bool = False
@@ -272,6 +274,11 @@ def _validate_he(c: RunConfig) -> None:
     if c.he_key_bits not in KEY_BITS:
         raise ConfigError(f"--he-key-bits must be one of {', '.join(map(str, KEY_BITS))} "
                           f"(got {c.he_key_bits})")
+    if not 0 < c.clip_quantile <= 1:
+        raise ConfigError(f"--clip-quantile must lie in (0, 1] (got {c.clip_quantile})")
+    if c.clip_quantile < 1 and (c.label_privacy != "he" or c.epsilon is None):
+        raise ConfigError("--clip-quantile sizes the noise of --label-privacy he --epsilon; without "
+                          "that noise it would only bias the steps")
     if c.epsilon is not None:
         if not 0 < c.epsilon < float("inf"):
             raise ConfigError(f"--epsilon must be a positive number (got {c.epsilon})")
@@ -507,6 +514,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="ε of --label-privacy dp (randomized response), or of he: Gaussian noise on every "
                         "batch gradient, calibrated by an RDP accountant (sgd, budget-only stops)")
     p.add_argument("--delta", type=float, default=d.delta, help="δ of --label-privacy he --epsilon")
+    p.add_argument("--clip-quantile", type=float, default=d.clip_quantile, metavar="Q",
+                   help="--label-privacy he --epsilon: each party computes its gradients from rows clipped "
+                        "to the Q-quantile of its rows' norms, and the noise is sized for that bound "
+                        "(default 1: the largest row, no clipping; e.g. 0.95 when a few rows are outliers)")
     p.add_argument("--secure-channels", action="store_true",
                    help="seal every message between parties (X25519 + ChaCha20-Poly1305)")
     p.add_argument("--channel-keys", default=None, metavar="FILE",

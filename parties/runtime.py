@@ -51,6 +51,7 @@ from protocols.secure_aggregation import SecureAggregator
 from protocols.transport import AGGREGATION_TAG, MpiTransport, RecordingTransport
 from protocols.trees import build_all_tree_pairs
 from vfl.algorithms.vfb2 import Block, UpdateRule
+from vfl.label_privacy import clip_scales, row_norm_bound
 from vfl.problems import Problem
 
 TAG_THETA = 0x7E7A
@@ -176,8 +177,8 @@ class PartyRuntime:
                  slowdown: float = 0.0, apply_delay: float = 0.0, peer_timeout: float = 30.0,
                  link_delay: float = 0.0, link_jitter: float = 0.0, keys: ChannelKeys | None = None,
                  allow_two_parties: bool = False, audit: bool = False, label_privacy: str = "none",
-                 he_scheme: str = "ou", he_key_bits: int = 2048, noise_multiplier: float | None = None
-                 ) -> None:
+                 he_scheme: str = "ou", he_key_bits: int = 2048, noise_multiplier: float | None = None,
+                 clip_quantile: float = 1.0) -> None:
         writers = getattr(party.rule, "writers", threads + 1)
         if writers < threads + 1:  # the dominator and each worker need their own writer slot
             raise ValueError(f"the update rule has {writers} writer slot(s); a party with {threads} "
@@ -229,10 +230,12 @@ class PartyRuntime:
         #: --label-privacy he --epsilon: σC, the noise of every batch gradient (0: none); batches of a pass
         self._noise_std = 0.0
         self._batches: PassBatches | None = None
+        #: --clip-quantile below 1: an active party's per-row gradient factors (its steps use ϑ_i·s_i)
+        self._row_scale: np.ndarray | None = None
         if self.he:
             self._setup_he(he_scheme, he_key_bits)
             if noise_multiplier:
-                self._setup_noise(noise_multiplier, seed)
+                self._setup_noise(noise_multiplier, seed, clip_quantile)
         #: every data-plane message, both ways (protocols/transport.py): sends from any thread, sealed
         #: with channels; the communication thread is its one receiver
         wire_words = self.max_words + (0 if self.channels is None else OVERHEAD_WORDS)
@@ -419,7 +422,7 @@ class PartyRuntime:
                 if self.apply_delay:
                     time.sleep(self.apply_delay)
                 started = time.perf_counter()
-                party.rule.apply(party.w, rows, thetas, writer=writer)
+                party.rule.apply(party.w, rows, self._clipped(rows, thetas), writer=writer)
                 if noise is not None:  # one draw for len(items) steps: the sum of their noises
                     scale = self._noise_std * math.sqrt(len(items))
                     party.rule.apply_noise(party.w, noise.normal(0.0, scale, party.w.size))
@@ -461,19 +464,28 @@ class PartyRuntime:
         b = self.batch_size
         self.max_words = max(MAX_MESSAGE_WORDS, 3 + b + label_he.ciphertext_limit(key_bits, b) // 8 + 1)
 
-    def _setup_noise(self, noise_multiplier: float, seed: int) -> None:
-        """``--epsilon``: every party tells the others (one buffer collective) the fixed-point feature
-        bits of its block and its largest squared row norm; C = √(Σ_l max_i ‖x_i^(l)‖²) bounds every full
-        row's norm, and each block's batch gradient gets N(0, (σC)²) per coordinate (vfl/label_privacy.py).
-        Only the label holders draw noise, from OS entropy: a seed the others know would let them
-        subtract it. Semi-honest parties: a passive party that understated its norm would lower the
-        noise every party gets."""
+    def _setup_noise(self, noise_multiplier: float, seed: int, clip_quantile: float) -> None:
+        """``--epsilon``: every party bounds its block's row norms (c_l: the largest, or the
+        ``--clip-quantile`` with the gradients computed from rows clipped to it) and tells the others (one
+        buffer collective) c_l² and the fixed-point feature bits of its block; C = √(Σ_l c_l²) bounds
+        every full row's gradient, and each block's batch gradient gets N(0, (σC)²) per coordinate
+        (vfl/label_privacy.py). Only the label holders draw noise, from OS entropy: a seed the others
+        know would let them subtract it. Semi-honest parties: a passive party that understated its
+        bound would lower the noise every party gets."""
         party, block = self.party, self.party.block
         squares = np.bincount(np.repeat(np.arange(block.n_rows), np.diff(block.indptr)),
                               weights=np.asarray(block.data, dtype=np.float64) ** 2, minlength=block.n_rows)
+        norms = np.sqrt(squares)
+        bound = row_norm_bound(norms, clip_quantile)
+        if bound < norms.max(initial=0.0):
+            scale = clip_scales(norms, bound)
+            if party.active:
+                self._row_scale = scale
+            for gradients in self._he_gradients.values():
+                gradients.clip_rows(scale)
         bits = 0 if party.active else next(iter(self._he_gradients.values())).feature_bits
         every = np.empty((self.q, 2), dtype=np.float64)
-        self.ctrl.Allgather(np.array([bits, squares.max(initial=0.0)]), every)
+        self.ctrl.Allgather(np.array([bits, bound**2]), every)
         for rank, (their_bits, square) in enumerate(every.tolist()):
             if their_bits not in (0, label_he.FEATURE_BITS) or not 0 <= square < math.inf:
                 raise ProtocolViolation(rank, "label-DP setup", f"feature bits {their_bits}, squared norm "
@@ -636,7 +648,7 @@ class PartyRuntime:
                         else:
                             self.transport.send(dest, buf, TAG_THETA)
             started = time.perf_counter()
-            party.rule.apply(party.w, step_rows, thetas, writer=0)
+            party.rule.apply(party.w, step_rows, self._clipped(step_rows, thetas), writer=0)
             if self._noise_std:
                 party.rule.apply_noise(party.w, self._own_noise.normal(0.0, self._noise_std, party.w.size))
             self._straggle(started)
@@ -648,6 +660,11 @@ class PartyRuntime:
         if held is not None:
             self._broadcast_theta(held, others)
         return done
+
+    def _clipped(self, rows: np.ndarray, thetas: np.ndarray) -> np.ndarray:
+        """The ϑ's an active party steps with: ϑ_i·s_i under row clipping (the gradient of the clipped
+        row; an SGD step is linear in ϑ), ϑ itself otherwise."""
+        return thetas if self._row_scale is None else thetas * self._row_scale[rows]
 
     def _broadcast_theta(self, message: np.ndarray, dests: list[int]) -> None:
         for dest in dests:

@@ -63,7 +63,8 @@ def train(comm: MPI.Comm, party: PartyState, config: RunConfig) -> TrainResult:
         link_jitter=config.link_jitter_ms / 1e3, keys=channel_keys(config, comm.Get_rank()),
         allow_two_parties=config.allow_two_parties,
         audit=config.audit, label_privacy=config.label_privacy, he_scheme=config.he_scheme,
-        he_key_bits=config.he_key_bits, noise_multiplier=config.noise_multiplier)
+        he_key_bits=config.he_key_bits, noise_multiplier=config.noise_multiplier,
+        clip_quantile=config.clip_quantile)
     result = _Trainer(runtime, config).run()
     runtime.close()
     if config.audit:

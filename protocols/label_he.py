@@ -177,9 +177,21 @@ class BlockGradient:
         if data.size and not np.all(np.abs(data) < 2.0**VALUE_BITS):
             raise ValueError(f"--label-privacy he needs features within ±2^{VALUE_BITS} (fixed point); "
                              f"scale the data")
+        self._encode(data)
+        self._masks: list[int] | None = None
+
+    def _encode(self, data: np.ndarray) -> None:
+        """The features in fixed point: integers as they are, anything else with FEATURE_BITS."""
         self.feature_bits = 0 if np.all(data == np.rint(data)) else FEATURE_BITS
         self._encoded = np.rint(data * 2.0**self.feature_bits).astype(np.int64)
-        self._masks: list[int] | None = None
+
+    def clip_rows(self, scale: np.ndarray) -> None:
+        """Compute the gradients from rows scaled by ``scale`` (one factor ≤ 1 per row: the row
+        clipping of ``--clip-quantile``); the block itself, and so the forward pass, is unchanged."""
+        blk = self.block
+        if scale.shape != (blk.n_rows,) or not np.all((scale > 0) & (scale <= 1)):
+            raise ValueError("row scales must be one factor in (0, 1] per row")
+        self._encode(np.asarray(blk.data, dtype=np.float64) * np.repeat(scale, np.diff(blk.indptr)))
 
     def masked(self, payload: bytes, rows: np.ndarray) -> bytes:
         """[[X_Bᵀϑ + r]] for the batch ``rows`` from the encrypted ϑ's in ``payload``; keeps r."""

@@ -13,10 +13,12 @@ from parties.config import ConfigError, RunConfig, validate
 from tests.test_runtime import train
 from vfl.datasets import load
 from vfl.label_privacy import (
+    clip_scales,
     flip_probability,
     gaussian_epsilon,
     gaussian_noise_multiplier,
     randomized_response,
+    row_norm_bound,
 )
 
 
@@ -118,3 +120,20 @@ def test_noisy_he_refuses_what_the_accounting_does_not_cover():
         validate(RunConfig(**{**base, "epsilon": None, "noise_multiplier": 0.5}))
     stale = RunConfig(**{**base, "noise_multiplier": 0.01})  # a config.json edited after validation
     assert validate(stale).noise_multiplier == config.noise_multiplier
+    for bad, message in ((dict(clip_quantile=0.0), r"\(0, 1\]"), (dict(clip_quantile=1.5), r"\(0, 1\]"),
+                         (dict(clip_quantile=0.9, epsilon=None), "only bias the steps")):
+        with pytest.raises(ConfigError, match=message):
+            validate(RunConfig(**{**base, **bad}))
+
+
+def test_clipping_bounds_every_row_at_a_quantile_of_the_norms_and_leaves_the_rest():
+    norms = np.array([0.0, 1.0, 2.0, 3.0, 4.0, 100.0])
+    assert row_norm_bound(norms) == 100.0  # quantile 1: the largest row, no clipping
+    bound = row_norm_bound(norms, 0.6)
+    assert bound in norms and bound == 3.0  # an actual row's norm
+    scale = clip_scales(norms, bound)
+    assert np.array_equal(scale[:4], np.ones(4))  # rows within the bound (the empty one too) unchanged
+    assert np.allclose(norms * scale, np.minimum(norms, bound))
+    assert row_norm_bound(np.zeros(0), 0.5) == 0.0
+    with pytest.raises(ValueError, match="quantile"):
+        row_norm_bound(norms, 0.0)
