@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
                          **{f"{a}_{k}": v for a, r in found.items() for k, v in r.items()}})
             print(f"[label_attacks] {dataset} {mode}: test {last['test_accuracy']:.4f} (NonF "
                   f"{nonf['accuracy']:.4f}), best attack {best} {found[best]['accuracy']:.3f}", flush=True)
+    if not rows:
+        raise SystemExit("[label_attacks] no data set could be loaded: nothing to write")
     write(rows, args.out)
 
 
