@@ -279,14 +279,21 @@ class Algorithm(ABC, Generic[ServerT, ClientT]):
 
 
 class WithCompressor:
-    """Mixin of the algorithms whose options include ``compressor``: validates it and declares it as the
-    uplink codec."""
+    """Mixin of the algorithms whose options include ``compressor``: validates it, declares it as the
+    uplink codec and names it in :meth:`describe`. An algorithm with more options overrides
+    ``__post_init__`` and calls ``_check_compressor`` itself."""
 
     name: ClassVar[str]
     compressor: Compressor
 
+    def __post_init__(self) -> None:
+        self._check_compressor()
+
     def uplink_compressor(self) -> Compressor | None:
         return self.compressor
+
+    def describe(self) -> dict[str, object]:
+        return {**super().describe(), "compressor": compressor_label(self.compressor)}  # type: ignore[misc]
 
     def _check_compressor(self, *, unbiased: bool = False) -> None:
         self.compressor = check_compressor(self.compressor, self.name)

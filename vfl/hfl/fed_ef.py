@@ -24,7 +24,6 @@ from vfl.hfl.base import (
     Uplink,
     VectorState,
     WithCompressor,
-    compressor_label,
     zeros_like_clients,
 )
 
@@ -42,9 +41,6 @@ class FedEF(WithCompressor, Algorithm[ServerModel, ErrorMemory]):
 
     compressor: Compressor
 
-    def __post_init__(self) -> None:
-        self._check_compressor()
-
     def init(self, ctx: InitContext) -> tuple[ServerModel, ErrorMemory]:
         return ServerModel(ctx.x0), ErrorMemory(zeros_like_clients(ctx.x0, ctx.n_clients))
 
@@ -58,6 +54,3 @@ class FedEF(WithCompressor, Algorithm[ServerModel, ErrorMemory]):
     def server_update(self, server: ServerModel, up: Uplink, config: FLConfig
                       ) -> tuple[ServerModel, Downlink]:
         return ServerModel(server.x + config.lr_global * up["model_delta"].values.mean(dim=0)), {}
-
-    def describe(self) -> dict[str, object]:
-        return {"algorithm": self.name, "compressor": compressor_label(self.compressor)}

@@ -39,7 +39,6 @@ from vfl.hfl.base import (
     Uplink,
     VectorState,
     WithCompressor,
-    compressor_label,
     zeros_like_clients,
 )
 
@@ -56,9 +55,6 @@ class FedComGate(WithCompressor, Algorithm[ServerModel, TrackingVariates]):
     name = "fedcomgate"
 
     compressor: Compressor
-
-    def __post_init__(self) -> None:
-        self._check_compressor()
 
     def init(self, ctx: InitContext) -> tuple[ServerModel, TrackingVariates]:
         return ServerModel(ctx.x0), TrackingVariates(zeros_like_clients(ctx.x0, ctx.n_clients))
@@ -80,6 +76,3 @@ class FedComGate(WithCompressor, Algorithm[ServerModel, TrackingVariates]):
     def client_finish(self, reply: Downlink, clients: TrackingVariates, config: FLConfig
                       ) -> TrackingVariates:
         return TrackingVariates(clients.delta - reply["mean_move"] / config.local_steps)
-
-    def describe(self) -> dict[str, object]:
-        return {"algorithm": self.name, "compressor": compressor_label(self.compressor)}

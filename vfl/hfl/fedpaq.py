@@ -67,9 +67,6 @@ class FedPAQ(WithCompressor, Algorithm[ServerModel, NoClientState]):
                       ) -> tuple[ServerModel, Downlink]:
         return ServerModel(server.x + config.lr_global * up["model_delta"].values.mean(dim=0)), {}
 
-    def describe(self) -> dict[str, object]:
-        return {"algorithm": self.name, "compressor": compressor_label(self.compressor)}
-
 
 @dataclass(eq=False)
 class LayeredFedPAQ(PostTraining):

@@ -81,20 +81,26 @@ def initial_cached_gradients(ctx: InitContext, cv_init: ControlInit) -> tuple[Ca
     return CachedControl(server.x, server.c), CachedGradients(u)
 
 
-@dataclass(eq=False)
-class Isca(Algorithm[CachedControl, CachedGradients]):
-    name = "isca"
+class CachedGradientRounds(Algorithm[CachedControl, CachedGradients]):
+    """What ISCA and ISCAM share: the state (x, v) and u_i initialised by ``cv_init``, and (x, v) down."""
 
-    cv_init: ControlInit = field(default="full_grad", kw_only=True)
-
-    def __post_init__(self) -> None:
-        check_cv_init(self.cv_init)
+    cv_init: ControlInit
 
     def init(self, ctx: InitContext) -> tuple[CachedControl, CachedGradients]:
         return initial_cached_gradients(ctx, self.cv_init)
 
     def broadcast(self, server: CachedControl) -> Downlink:
         return {"x": server.x, "v": server.v}
+
+
+@dataclass(eq=False)
+class Isca(CachedGradientRounds):
+    name = "isca"
+
+    cv_init: ControlInit = field(default="full_grad", kw_only=True)
+
+    def __post_init__(self) -> None:
+        check_cv_init(self.cv_init)
 
     def client_update(self, down: Downlink, clients: CachedGradients, ctx: RoundContext
                       ) -> tuple[Uplink, CachedGradients]:

@@ -31,17 +31,15 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from vfl.hfl.base import (
-    Algorithm,
     Compressor,
     Downlink,
     FLConfig,
-    InitContext,
     RoundContext,
     Uplink,
     WithCompressor,
     compressor_label,
 )
-from vfl.hfl.isca import CachedControl, CachedGradients, extra_gradient_pass, initial_cached_gradients
+from vfl.hfl.isca import CachedControl, CachedGradientRounds, CachedGradients, extra_gradient_pass
 from vfl.hfl.scaffold import ControlInit, check_cv_init
 
 UUpdate = Literal["compressed", "uncompressed_literal"]
@@ -49,7 +47,7 @@ U_UPDATES = ("compressed", "uncompressed_literal")
 
 
 @dataclass(eq=False)
-class Iscam(WithCompressor, Algorithm[CachedControl, CachedGradients]):
+class Iscam(WithCompressor, CachedGradientRounds):
     name = "iscam"
 
     compressor: Compressor
@@ -68,12 +66,6 @@ class Iscam(WithCompressor, Algorithm[CachedControl, CachedGradients]):
             raise ValueError(f"ISCAM u_update must be one of {U_UPDATES}, got {self.u_update!r}")
         check_cv_init(self.cv_init)
         self._check_compressor(unbiased=not self.allow_biased)
-
-    def init(self, ctx: InitContext) -> tuple[CachedControl, CachedGradients]:
-        return initial_cached_gradients(ctx, self.cv_init)
-
-    def broadcast(self, server: CachedControl) -> Downlink:
-        return {"x": server.x, "v": server.v}
 
     def client_update(self, down: Downlink, clients: CachedGradients, ctx: RoundContext
                       ) -> tuple[Uplink, CachedGradients]:
