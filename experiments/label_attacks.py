@@ -280,8 +280,10 @@ def write(rows: list[dict], out: Path, load: tuple | None = None, cpu: str | Non
         ax.set_xlabel("best label attack by a passive party: accuracy (%)")
         ax.set_ylabel("test accuracy of the model (%)")
     handles, labels = axes[0][0].get_legend_handles_labels()
+    columns = min(len(labels), 3 * len(datasets))  # a one-panel figure's legend must fit its width
+    rows_of_legend = -(-len(labels) // columns)
     fig.legend(dict(zip(labels, handles, strict=True)).values(), dict(zip(labels, handles, strict=True)),
-               loc="lower center", ncol=5)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+               loc="lower center", ncol=columns)
+    fig.tight_layout(rect=(0, 0.06 * rows_of_legend + 0.02, 1, 1))
     fig.savefig(out / "privacy_utility.png", dpi=120)
     print("\n".join(lines))

@@ -93,7 +93,9 @@ def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None, echo: 
     validate(config)
     if echo and config.noise_multiplier:
         print(f"vfl train: label-DP ε = {config.epsilon:g}, δ = {config.delta:g}: every batch gradient gets "
-              f"Gaussian noise of multiplier σ = {config.noise_multiplier:.3g}", flush=True)
+              f"Gaussian noise of multiplier σ = {config.noise_multiplier:.3g}"
+              + (f", each party's rows clipped at the {config.clip_quantile:g}-quantile of their norms"
+                 if config.clip_quantile < 1 else ""), flush=True)
     chosen_for_the_user = config.out is None and not config.resume
     out = run_folder(config)
     config.out = str(out)
