@@ -243,10 +243,9 @@ def write(rows: list[dict], out: Path, load: tuple | None = None, cpu: str | Non
     passed when re-rendering a finished run from its results.json."""
     import csv
 
-    import matplotlib
+    from experiments._plotting import figure_legend, pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out.mkdir(parents=True, exist_ok=True)
     header = {"load": load or os.getloadavg(), "cpu": cpu or cpu_model()}
@@ -266,7 +265,8 @@ def write(rows: list[dict], out: Path, load: tuple | None = None, cpu: str | Non
                      f"{r['seconds_per_epoch']:.2f} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     datasets = sorted({r["dataset"] for r in rows})
-    fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4.4), squeeze=False,
+                             layout="constrained")
     for ax, dataset in zip(axes[0], datasets, strict=True):
         for r in (r for r in rows if r["dataset"] == dataset):
             b = r["best_attack"]
@@ -279,11 +279,6 @@ def write(rows: list[dict], out: Path, load: tuple | None = None, cpu: str | Non
         ax.set_title(dataset)
         ax.set_xlabel("best label attack by a passive party: accuracy (%)")
         ax.set_ylabel("test accuracy of the model (%)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    columns = min(len(labels), 3 * len(datasets))  # a one-panel figure's legend must fit its width
-    rows_of_legend = -(-len(labels) // columns)
-    fig.legend(dict(zip(labels, handles, strict=True)).values(), dict(zip(labels, handles, strict=True)),
-               loc="lower center", ncol=columns)
-    fig.tight_layout(rect=(0, 0.06 * rows_of_legend + 0.02, 1, 1))
-    fig.savefig(out / "privacy_utility.png", dpi=120)
+    figure_legend(fig, ncol=3 if len(datasets) == 1 else None)  # a one-panel figure is narrow
+    save(fig, out / "privacy_utility.png", dpi=120)
     print("\n".join(lines))

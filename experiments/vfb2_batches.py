@@ -188,10 +188,9 @@ def best_cells(rows: list[dict], meta: dict) -> str:
 def write(rows: list[dict], meta: dict, out) -> None:
     import json
 
-    import matplotlib
+    from experiments._plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     write_rows(out / "results.csv", rows)
     (out / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
@@ -236,7 +235,7 @@ def write(rows: list[dict], meta: dict, out) -> None:
     if handles:
         fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=3, fontsize=8)
     fig.tight_layout(rect=(0, 0.16, 1, 1))
-    fig.savefig(out / "time_to_target.png", dpi=120)
+    save(fig, out / "time_to_target.png", dpi=120)
     print(header + table)
 
 
