@@ -16,14 +16,9 @@ from vfl.hfl import FederatedData
 from vfl.hfl.binarize import BinarizeUpdate, binarize, step_size
 from vfl.hfl.cnn import ResNet10, Table4CNN, binarized_names
 from vfl.hfl.fedavg import LayeredFedAvg
-from vfl.hfl.fedbat import (
-    FedBAT,
-    FederatedCNN,
-    LocalTrainer,
-    LocalTraining,
-    aggregate,
-)
+from vfl.hfl.fedbat import FedBAT
 from vfl.hfl.fedpaq import FedPAQ, LayeredFedPAQ
+from vfl.hfl.layered import FederatedCNN, LocalTrainer, LocalTraining, aggregate
 from vfl.hfl.partitions import labels_per_client_partition
 from vfl.hfl.signsgd import (
     EFSignSGD,

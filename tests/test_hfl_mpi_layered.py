@@ -18,7 +18,8 @@ from parties.hfl.layered import LayeredServerRank, pack_state, unpack_state
 from parties.hfl.wire import WireError
 from tests.hfl_mpi_cases import case_config, run_cases
 from vfl.hfl.engine import Streams
-from vfl.hfl.fedbat import FederatedCNN, ModelLayout, sample_clients
+from vfl.hfl.layered import FederatedCNN, ModelLayout
+from vfl.hfl.rounds import sample_clients
 
 SMALL = HflConfig(dataset="digits", model="cnn", widths=[4, 8, 8], clients=6, per_round=3, local_epochs=2,
                   batch_size=16, lr_local=0.05, rounds=4, eval_every=2, processes=2, progress=False,
@@ -75,7 +76,7 @@ def test_mpi_run_is_the_simulation_bit_for_bit(mpi_runs: Path, name: str, one_th
     sampling = Streams.from_seed(config.seed, config.clients).sampling     # the server's draws, replayed
     sat_out = set()
     for t, record in enumerate(records):
-        clients = set(sample_clients(config.clients, config.per_round, sampling))
+        clients = set(sample_clients(config.clients, config.per_round, sampling).tolist())
         expected = sim.step() | (sim.evaluate() if "test_loss" in record else {})
         for key, value in sim.state.items():
             assert np.array_equal(trajectory[key][t], value.numpy()), f"{name}: {key} after round {t + 1}"

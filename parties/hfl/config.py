@@ -44,7 +44,7 @@ from vfl.hfl import (
 from vfl.hfl.base import Compressor as CompressorOption
 from vfl.hfl.cnn import Table4CNN
 from vfl.hfl.dro_objectives import DRO_OBJECTIVES, LossComposition, make_objective
-from vfl.hfl.fedbat import LocalTraining, Method
+from vfl.hfl.layered import LocalTraining, Method
 from vfl.hfl.models import BatchedModel, TorchModel, torch_mlp
 
 MODELS = ("softmax", "mlp", "least-squares", "cnn")
@@ -189,7 +189,7 @@ def _unwrap_optional(kind: Any) -> Any:
 
 def build_algorithm(config: HflConfig) -> Any:
     """The algorithm object from its options dataclass (a :class:`vfl.hfl.Algorithm`, or a layered
-    :class:`vfl.hfl.fedbat.Method` with ``--model cnn``): every given option converted to the field's
+    :class:`vfl.hfl.layered.Method` with ``--model cnn``): every given option converted to the field's
     type; an option the algorithm does not take, or a required one missing, is an error."""
     registry = config.registry
     if config.algorithm not in registry:

@@ -34,7 +34,7 @@ from parties.hfl.wire import SERVER
 from vfl.hfl import FederatedData, MetricsLog
 from vfl.hfl.cnn import init_weights
 from vfl.hfl.engine import Streams
-from vfl.hfl.fedbat import LocalTrainer
+from vfl.hfl.layered import LocalTrainer
 
 
 def _load_shard(config: HflConfig, process: int) -> Shard:

@@ -15,8 +15,8 @@ Three kinds of round, one registry each:
   local step, on a vmap'd ``torch.nn`` classifier and a DRO objective (:mod:`vfl.hfl.feddro`),
   simulated by :class:`~vfl.hfl.feddro.CompositionalSimulation`;
 - :data:`LAYERED_METHODS` run on a ``torch.nn`` model with BatchNorm (FedBAT's CNN): local epochs on the
-  FedAvg backbone, then a layered uplink (:mod:`vfl.hfl.fedbat`), simulated by
-  :class:`~vfl.hfl.fedbat.FederatedCNN`. FedAvg and FedPAQ appear in both: on this backbone they are
+  FedAvg backbone, then a layered uplink (:mod:`vfl.hfl.layered`), simulated by
+  :class:`~vfl.hfl.layered.FederatedCNN`. FedAvg and FedPAQ appear in both: on this backbone they are
   the same rules with the layered message format (FedPAQ's quantizer is validated by :class:`FedPAQ`).
 
 All three run under MPI with ``python -m parties.hfl`` (``--model cnn`` selects the layered backbone,
@@ -44,12 +44,13 @@ from vfl.hfl.data import FederatedData
 from vfl.hfl.engine import FederatedSimulation, LocalSolver, MetricsLog
 from vfl.hfl.fed_ef import FedEF
 from vfl.hfl.fedavg import FedAvg, LayeredFedAvg
-from vfl.hfl.fedbat import FedBAT, Method
+from vfl.hfl.fedbat import FedBAT
 from vfl.hfl.fedcomgate import FedComGate
 from vfl.hfl.feddro import FedDRO
 from vfl.hfl.fedpaq import FedPAQ, LayeredFedPAQ
 from vfl.hfl.isca import Isca
 from vfl.hfl.iscam import Iscam
+from vfl.hfl.layered import Method
 from vfl.hfl.models import MLP, LeastSquares, least_squares_optimum, softmax_regression
 from vfl.hfl.partitions import (
     dirichlet_partition,

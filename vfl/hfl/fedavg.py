@@ -25,7 +25,7 @@ from vfl.hfl.base import (
     ServerModel,
     Uplink,
 )
-from vfl.hfl.fedbat import PostTraining
+from vfl.hfl.layered import PostTraining
 
 
 @dataclass(eq=False)

@@ -40,7 +40,7 @@ from vfl.hfl.base import (
     WithCompressor,
     compressor_label,
 )
-from vfl.hfl.fedbat import PostTraining
+from vfl.hfl.layered import PostTraining
 
 
 @dataclass(eq=False)

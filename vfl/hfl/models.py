@@ -209,7 +209,7 @@ class TorchModel:
     It is a :class:`BatchedModel` (autograd through vmap where :class:`MLP` writes its backward by hand),
     so every flat-vector algorithm runs on any stateless module; FedDRO uses its per-sample losses. A
     module with BatchNorm has state besides its parameters and runs on the layered backbone instead
-    (:mod:`vfl.hfl.fedbat`)."""
+    (:mod:`vfl.hfl.layered`)."""
 
     def __init__(self, module: nn.Module, n_features: int, n_classes: int) -> None:
         self.module = module

@@ -1,8 +1,8 @@
 """FedBAT's sign baselines: post-training compression of the local update on the FedAvg backbone
-(:class:`vfl.hfl.fedbat.PostTraining`; FedAvg and FedPAQ on this backbone are in ``fedavg.py`` and
+(:class:`vfl.hfl.layered.PostTraining`; FedAvg and FedPAQ on this backbone are in ``fedavg.py`` and
 ``fedpaq.py``, beside their flat-vector versions).
 
-Every client runs the same local SGD as FedAvg (:class:`vfl.hfl.fedbat.LocalTrainer` without a
+Every client runs the same local SGD as FedAvg (:class:`vfl.hfl.layered.LocalTrainer` without a
 binarization phase), then compresses its update m_k = w^k_{t+1} − w_t of the binarized tensors (conv and
 linear weights); the server adds Σ p'_k·decode(message_k), p'_k ∝ n_k (the paper's Eq. 2-3). The BN tensors go
 up in float32 exactly as for FedBAT.
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vfl.hfl.fedbat import PostTraining
+from vfl.hfl.layered import PostTraining
 
 
 def _check_positive(**values: float) -> None:
