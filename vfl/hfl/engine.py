@@ -1,9 +1,11 @@
 """Simulation engine for horizontal FL: N clients in one process, vectorised across the sampled clients.
 
-One round: sample S of N clients uniformly without replacement; gather their persistent state rows;
-``algorithm.broadcast`` → ``client_update`` (local training of all S clients as stacked ``[S, d]``
-tensors, one batched model call per local step) → ``server_update`` → optional reply → write the
-clients' rows back. Non-sampled clients' rows are never touched.
+One round is :meth:`vfl.hfl.server.VectorServer.step` (the server's half, which the MPI server rank runs
+too): sample S of N clients uniformly without replacement; ``algorithm.broadcast`` → the clients' half,
+here :class:`_LocalClients`: gather the sampled clients' persistent state rows, ``client_update`` (local
+training of all S clients as stacked ``[S, d]`` tensors, one batched model call per local step) →
+``server_update`` → optional reply → write the clients' rows back. Non-sampled clients' rows are never
+touched.
 
 Randomness: one ``numpy.random.SeedSequence(seed)`` spawns independent streams for the initial model,
 client sampling, minibatches and compression; the compression stream spawns one ``torch.Generator`` per
@@ -27,7 +29,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -45,10 +46,12 @@ from vfl.hfl.base import (
     LocalResult,
     Message,
     Solver,
-    wire_bits,
+    VectorState,
 )
 from vfl.hfl.data import FederatedData
 from vfl.hfl.models import BatchedModel
+from vfl.hfl.rounds import check_finite
+from vfl.hfl.server import ClientReport, VectorServer
 
 METRIC_COLUMNS = ("round", "local_loss", "uplink_bits", "downlink_bits", "round_seconds",
                   "train_loss", "train_accuracy", "test_loss", "test_accuracy", "gradient_evaluations")
@@ -123,10 +126,9 @@ class ClientRound:
     generators: list[torch.Generator]
 
     def compress(self, compressor: Compressor, X: torch.Tensor) -> Message:
-        if not bool(torch.isfinite(X).all()):  # diverged mid-round: the same signal as _check_finite
-            raise FloatingPointError(
-                f"round {self.round}: a client's uplink became non-finite (diverged); "
-                f"lower lr_local={self.config.lr_local} or lr_global={self.config.lr_global}")
+        # diverged mid-round: the same signal as the server's check, numbered as the round's record
+        check_finite({"uplink": X}, owner="a sampled client", what="message", round=self.round + 1,
+                     advice=f"lower lr_local={self.config.lr_local} or lr_global={self.config.lr_global}")
         return Message.compressed(compressor, X, self.generators)
 
 
@@ -183,13 +185,12 @@ class FederatedSimulation:
         elif x0.shape != (model.dim,):
             raise ValueError(f"x0 must have shape ({model.dim},), got {tuple(x0.shape)}")
         x0 = x0.to(dtype=dtype, device=data.X.device).clone()
-        self.server, self.clients = algorithm.init(
+        server, self.clients = algorithm.init(
             InitContext(x0, config.n_clients, self.full_local_gradients, self.minibatch_local_gradients))
-        self.round = 0
+        self.device = x0.device
+        self.core = VectorServer(algorithm, server, config, self.streams.sampling)
         self.last_clients = torch.empty(0, dtype=torch.int64)   # who took part in the latest round
-        self.uplink_bits = 0
-        self.downlink_bits = 0
-        self.gradient_evaluations = 0   # per-client minibatch gradients in rounds (init pass excluded)
+        self._local_clients = _LocalClients(self)
 
     def full_local_gradients(self, x: torch.Tensor) -> torch.Tensor:
         """∇f_i(x) on each client's whole local data set, ``[N, d]`` (control-variate initialisation)."""
@@ -213,34 +214,12 @@ class FederatedSimulation:
 
     def sample_clients(self) -> torch.Tensor:
         """S distinct clients, uniformly without replacement, in increasing id order."""
-        perm = torch.randperm(self.config.n_clients, generator=self.streams.sampling)
-        return perm[: self.config.clients_per_round].sort().values
+        return self.core.sample_clients()
 
     def step(self) -> dict[str, float]:
-        """Run one round; return its metrics (without evaluation)."""
-        started = time.perf_counter()
-        clients = self.sample_clients()
-        n_sampled = clients.numel()
-        states = self.clients.rows(clients.to(self._device))
-        down = self.algorithm.broadcast(self.server)
-        self.downlink_bits += n_sampled * _downlink_bits(down)
-        solver = LocalSolver(self.model, self.data, clients, self.batch_size, self.config, self.streams.data)
-        ctx = ClientRound(self.round, clients, self.config, solver,
-                     [self.streams.compression[i] for i in clients.tolist()])
-        up, states = self.algorithm.client_update(down, states, ctx)
-        self.uplink_bits += sum(sum(message.bits) for message in up.values())
-        self.server, reply = self.algorithm.server_update(self.server, up, self.config)
-        if reply:
-            self.downlink_bits += n_sampled * _downlink_bits(reply)
-            states = self.algorithm.client_finish(reply, states, self.config)
-        self.clients.put_rows(clients.to(self._device), states)
-        self.last_clients = clients
-        self.gradient_evaluations += solver.gradient_evaluations
-        self.round += 1
-        self._check_finite()
-        return {"round": self.round, "local_loss": solver.mean_loss, "uplink_bits": self.uplink_bits,
-                "downlink_bits": self.downlink_bits, "round_seconds": time.perf_counter() - started,
-                "gradient_evaluations": self.gradient_evaluations}
+        """Run one round (:meth:`vfl.hfl.server.VectorServer.step` with every client in this process);
+        return its metrics (without evaluation)."""
+        return self.core.step(self._local_clients)
 
     def evaluate(self) -> dict[str, float]:
         """Loss (and accuracy) of the global model on the training rows and the test set."""
@@ -269,19 +248,57 @@ class FederatedSimulation:
         return records
 
     @property
-    def _device(self) -> torch.device:
-        return self.server.x.device
+    def server(self) -> VectorState:
+        """The algorithm's server state (x, and c, ... for the algorithms that keep more)."""
+        return self.core.state
 
-    def _check_finite(self) -> None:
-        for name, tensor in self.server.tensors().items():
-            if not bool(torch.isfinite(tensor).all()):
-                raise FloatingPointError(
-                    f"{self.algorithm.name}: server state '{name}' became non-finite at round {self.round} "
-                    f"(diverged): lower lr_local={self.config.lr_local} or lr_global={self.config.lr_global}")
+    @property
+    def round(self) -> int:
+        return self.core.round
+
+    @property
+    def uplink_bits(self) -> int:
+        return self.core.uplink_bits
+
+    @property
+    def downlink_bits(self) -> int:
+        return self.core.downlink_bits
+
+    @property
+    def gradient_evaluations(self) -> int:
+        """Per-client minibatch gradients in rounds (the init pass excluded)."""
+        return self.core.gradient_evaluations
 
 
-def _downlink_bits(down: Downlink) -> int:
-    return sum(wire_bits(v) for v in down.values())
+class _LocalClients:
+    """The simulation's :class:`~vfl.hfl.server.RoundClients`: the whole stack of sampled clients trained
+    as one batched computation in this process, their state rows gathered before and written back after
+    (the other clients' rows are never touched)."""
+
+    def __init__(self, sim: FederatedSimulation) -> None:
+        self.sim = sim
+        self._pending: tuple[torch.Tensor, VectorState] | None = None
+
+    def train(self, round: int, clients: torch.Tensor, down: Downlink) -> ClientReport:
+        sim = self.sim
+        streams = sim.streams
+        states = sim.clients.rows(clients.to(sim.device))
+        solver = LocalSolver(sim.model, sim.data, clients, sim.batch_size, sim.config, streams.data)
+        generators = [streams.compression[i] for i in clients.tolist()]
+        ctx = ClientRound(round, clients, sim.config, solver, generators)
+        up, states = sim.algorithm.client_update(down, states, ctx)
+        self._pending = clients, states
+        return ClientReport(up, sum(sum(message.bits) for message in up.values()), solver.mean_loss,
+                            solver.gradient_evaluations)
+
+    def finish(self, reply: Downlink) -> None:
+        assert self._pending is not None, "finish() without train()"
+        (clients, states), self._pending = self._pending, None
+        sim = self.sim
+        if reply:
+            states = sim.algorithm.client_finish(reply, states, sim.config)
+        sim.clients.put_rows(clients.to(sim.device), states)
+        sim.last_clients = clients
 
 
 class MetricsLog:
