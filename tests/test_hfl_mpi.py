@@ -83,6 +83,7 @@ def test_mpi_run_follows_the_simulation_trajectory_and_bit_ledger(mpi_runs: Path
                                        err_msg=f"{name}: server {key} after round {t + 1}")
         assert record["uplink_bits"] == expected["uplink_bits"]     # bytes that crossed MPI, times 8
         assert record["downlink_bits"] == expected["downlink_bits"]
+        assert record["gradient_evaluations"] == expected["gradient_evaluations"]   # the same server step
         assert record["local_loss"] == pytest.approx(expected["local_loss"], rel=1e-12)
         if "train_loss" in record:
             for key, value in sim.evaluate().items():

@@ -12,7 +12,6 @@ rank closes normally and prints ``NOT REJECTED``.
 from __future__ import annotations
 
 import sys
-import time
 
 import numpy as np
 from mpi4py import MPI
@@ -61,8 +60,10 @@ def main() -> None:
     if rank == 0:
         runtime.dominate(4)
         runtime.finish_segment()
+    # drain() is the synchronisation: party 1 cannot pass it before party 0 answered (or refused) every
+    # masked gradient it sent, the forged one included, and the snapshot's full pass is answered before
+    # snapshot() returns; a refusal ends the job before anyone gets here
     runtime.drain()
-    time.sleep(2)
     runtime.close()
     print(f"NOT REJECTED {rank}", flush=True)
 

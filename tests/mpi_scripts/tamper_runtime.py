@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-import time
 
 import numpy as np
 from mpi4py import MPI
 
 from parties.runtime import TAG_THETA, PartyRuntime, PartyState
 from protocols.dispatch import pack
+from tests.mpi_scripts.verdict import await_verdict
 from vfl.algorithms.vfb2 import Block, get_rule
 from vfl.problems import get_problem
 
@@ -59,8 +59,9 @@ def main() -> None:
         else:
             bad = np.frombuffer(pickle.dumps(_WritesMarker(sys.argv[2])), dtype=np.uint8).copy()
         runtime.data.Send([bad, MPI.BYTE], 0, TAG_THETA)
-    time.sleep(3)  # party 0's communication thread sees the message now; a correct party aborts the job
-    runtime.close()
+    if rank == 0:  # a correct party 0 ends the job on the message; a broken one applies it
+        await_verdict(runtime, source=1, accepted_after=1)
+    runtime.close()  # the others wait here (a collective) for party 0: its verdict, or the job's end
     print(f"NOT REJECTED {rank} {os.path.exists(sys.argv[2]) if len(sys.argv) > 2 else ''}", flush=True)
 
 

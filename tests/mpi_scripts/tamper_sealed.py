@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import sys
-import time
 
 import numpy as np
 from mpi4py import MPI
@@ -14,6 +13,7 @@ from mpi4py import MPI
 from parties.runtime import TAG_THETA, PartyRuntime, PartyState
 from protocols.channels import ChannelKeys, public_key
 from protocols.dispatch import pack
+from tests.mpi_scripts.verdict import await_verdict
 from vfl.algorithms.vfb2 import Block, get_rule
 from vfl.problems import get_problem
 
@@ -46,8 +46,9 @@ def main() -> None:
             runtime.data.Send(sealed, 0, TAG_THETA)
             if scenario == "replayed":
                 runtime.data.Send(sealed, 0, TAG_THETA)
-    time.sleep(3)
-    runtime.close()
+    if rank == 0:  # the tampered message, or the original and its replay, applied only if accepted
+        await_verdict(runtime, source=1, accepted_after=1 if scenario == "tampered" else 2)
+    runtime.close()  # the others wait here (a collective) for party 0: its verdict, or the job's end
     print(f"NOT REJECTED {rank}", flush=True)
 
 
