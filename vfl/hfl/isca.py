@@ -92,6 +92,14 @@ class CachedGradientRounds(Algorithm[CachedControl, CachedGradients]):
     def broadcast(self, server: CachedControl) -> Downlink:
         return {"x": server.x, "v": server.v}
 
+    @staticmethod
+    def advance(server: CachedControl, model_step: torch.Tensor, up: Uplink, config: FLConfig
+                ) -> tuple[CachedControl, Downlink]:
+        """The server update both share: x ← x + ``model_step``, v ← v + Σ_{i∈S} Δu_i / N (over all N,
+        so v stays mean_i u_i while the other clients' u_i are unchanged); no reply."""
+        v = server.v + up["control_delta"].values.sum(dim=0) / config.n_clients
+        return CachedControl(server.x + model_step, v), {}
+
 
 @dataclass(eq=False)
 class Isca(CachedGradientRounds):
@@ -111,9 +119,7 @@ class Isca(CachedGradientRounds):
 
     def server_update(self, server: CachedControl, up: Uplink, config: FLConfig
                       ) -> tuple[CachedControl, Downlink]:
-        x = server.x + config.lr_global * up["model_delta"].values.mean(dim=0)
-        v = server.v + up["control_delta"].values.sum(dim=0) / config.n_clients
-        return CachedControl(x, v), {}
+        return self.advance(server, config.lr_global * up["model_delta"].values.mean(dim=0), up, config)
 
     def describe(self) -> dict[str, object]:
         return {"algorithm": self.name, "cv_init": self.cv_init}

@@ -81,9 +81,8 @@ class Iscam(WithCompressor, CachedGradientRounds):
 
     def server_update(self, server: CachedControl, up: Uplink, config: FLConfig
                       ) -> tuple[CachedControl, Downlink]:
-        x = server.x + config.effective_step * up["model_direction"].values.mean(dim=0)
-        v = server.v + up["control_delta"].values.sum(dim=0) / config.n_clients
-        return CachedControl(x, v), {}
+        return self.advance(server, config.effective_step * up["model_direction"].values.mean(dim=0), up,
+                            config)
 
     def describe(self) -> dict[str, object]:
         return {"algorithm": self.name, "beta1": self.beta1, "beta2": self.beta2,
