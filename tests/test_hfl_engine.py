@@ -24,6 +24,7 @@ from vfl.hfl import (
     Scaffold,
     shard_partition,
 )
+from vfl.hfl.rounds import check_finite
 
 N, ROWS, DIM = 6, 10, 4
 
@@ -166,3 +167,24 @@ def test_mlp_learns_label_shards_of_real_digits_and_scaffold_beats_fedavg() -> N
         accuracy[algorithm.name] = sim.run(40, eval_every=40, progress=False)[-1]["test_accuracy"]
     assert accuracy["scaffold"] > 0.9
     assert accuracy["scaffold"] > accuracy["fedavg"]
+
+
+def test_a_diverging_run_stops_at_the_round_it_diverged_naming_the_state() -> None:
+    """The one divergence check (``vfl.hfl.rounds.check_finite``, run by the shared server step) stops the
+    simulation at the round whose record would hold NaNs, naming the algorithm, the tensor and the round."""
+    sim = quadratic_simulation(FedAvg(), lr_local=50.0)
+    with pytest.raises(FloatingPointError) as raised:
+        for _ in range(500):
+            sim.step()
+    assert str(raised.value) == (f"fedavg: server state 'x' became non-finite at round {sim.round} "
+                                 "(diverged): lower lr_local=50.0 or lr_global=0.8")
+    assert 1 < sim.round < 500 and not bool(torch.isfinite(sim.server.x).all())
+
+
+def test_the_divergence_check_skips_integer_tensors_and_names_the_first_non_finite_one() -> None:
+    tensors = {"count": torch.tensor([3]), "w": torch.ones(2), "b": torch.tensor([1.0, float("inf")])}
+    expected = r"^m: global 'b' became non-finite at round 7 \(diverged\): go$"
+    with pytest.raises(FloatingPointError, match=expected):
+        check_finite(tensors, owner="m", what="global", round=7, advice="go")
+    finite = {"count": torch.tensor([3]), "w": torch.ones(2)}
+    check_finite(finite, owner="m", what="global", round=1, advice="")   # nothing to say

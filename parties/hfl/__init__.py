@@ -15,7 +15,8 @@ writes ``<out>/config.json`` and starts ``mpiexec -n P+1 python -m mpi4py -m par
 
 Ranks. Rank 0 is the server; rank p (1..P) is client process p-1 and hosts a contiguous block of the N
 logical clients (``numpy.array_split(range(N), P)``), or the clients of its own file
-``clients-<p-1>.npz``. One round, exactly the engine's message flow:
+``clients-<p-1>.npz``. One round, exactly the engine's message flow (the server's half is the
+simulation's own :class:`vfl.hfl.server.VectorServer`; this package only moves the buffers):
 
     server: sample S clients → ROUND to every client process (downlink x, c, ... to those hosting sampled
             clients) → UPLINK from each participant → decode the payloads → ``server_update`` → REPLY
