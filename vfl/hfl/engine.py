@@ -252,6 +252,11 @@ class FederatedSimulation:
         """The algorithm's server state (x, and c, ... for the algorithms that keep more)."""
         return self.core.state
 
+    @server.setter
+    def server(self, state: VectorState) -> None:
+        """Replace the server state (a test replaying one round from a saved state)."""
+        self.core.state = state
+
     @property
     def round(self) -> int:
         return self.core.round
