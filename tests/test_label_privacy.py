@@ -8,8 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from experiments.label_attacks import attack_all
+from experiments.label_attacks import Transcript, attack_all, full_theta
 from parties.config import ConfigError, RunConfig, validate
+from parties.loading import noisy_labels
 from tests.test_runtime import train
 from vfl.datasets import load
 from vfl.label_privacy import (
@@ -59,6 +60,43 @@ def test_a_passive_party_learns_no_more_than_randomized_response_allows(tmp_path
     for passive in (1, 2):
         for attack, found in attack_all(tmp_path / f"audit-{passive}.npz", y).items():
             assert found["accuracy"] < bound + 4 * math.sqrt(bound * (1 - bound) / y.size), attack
+
+
+@pytest.mark.mpi
+def test_a_resumed_run_releases_the_same_noisy_labels_not_a_second_draw(tmp_path):
+    """The curious passive party reads every row's noisy label from the SVRG snapshot's full ϑ (for the
+    logistic loss, sign ϑ_i = −ỹ_i whatever the model). Across a --resume it must read the same labels:
+    a second draw would give it two noisy copies of each (the 2ε level; 61 % of rows agree at ε = 1)."""
+    common = ("-n", "3", "-m", "1", "--algorithm", "svrg", "--audit", "--dataset", "breast-cancer",
+              "--lam", "0.01", "--label-privacy", "dp", "--epsilon", "1")
+    train(tmp_path, *common, "--epochs", "1")
+    (tmp_path / "audit-1.npz").rename(tmp_path / "before-resume.npz")
+    train(tmp_path, *common, "--epochs", "2", "--resume")
+    n = load("breast-cancer", seed=0).n_train
+    before = np.sign(full_theta(Transcript.load(tmp_path / "before-resume.npz"), n))
+    after = np.sign(full_theta(Transcript.load(tmp_path / "audit-1.npz"), n))
+    assert np.isin(before, (-1, 1)).all() and np.isin(after, (-1, 1)).all()
+    assert np.mean(before == after) == 1.0
+
+
+def test_the_randomized_response_is_drawn_once_and_kept_in_the_partys_folder(tmp_path):
+    y = np.where(np.arange(400) % 3 == 0, 1.0, -1.0)
+    ids = np.arange(400, dtype=np.int64)
+    fresh = RunConfig(dataset="breast-cancer", label_privacy="dp", epsilon=1.0, out=str(tmp_path))
+    resumed = RunConfig(dataset="breast-cancer", label_privacy="dp", epsilon=1.0, out=str(tmp_path),
+                        resume=True)
+    drawn = noisy_labels(fresh, 0, y, ids)
+    assert 0.15 < np.mean(drawn != y) < 0.4  # flipped at 1 / (1 + e): it is a draw
+    assert np.array_equal(noisy_labels(resumed, 0, y, ids), drawn)
+    other_eps = RunConfig(dataset="breast-cancer", label_privacy="dp", epsilon=2.0, out=str(tmp_path),
+                          resume=True)
+    with pytest.raises(ValueError, match="not this run's randomized response"):
+        noisy_labels(other_eps, 0, y, ids)
+    with pytest.raises(ValueError, match="not this run's randomized response"):
+        noisy_labels(resumed, 0, y, ids[::-1].copy())
+    (tmp_path / "label-dp-0.npz").unlink()
+    with pytest.raises(ValueError, match="missing: resuming would draw"):
+        noisy_labels(resumed, 0, y, ids)
 
 
 # ------------------------------------------- --label-privacy he --epsilon: Gaussian noise on gradients
