@@ -332,9 +332,15 @@ class AggregationNode:
         payload = buffer.size - HEADER_WORDS
         if payload > self.max_batch:
             raise ProtocolViolation(source, what, f"{payload} values exceed the limit of {self.max_batch}")
-        finished = self._finished[root]
         if code == _REQUEST:
             return self._on_request(source, root, rid, aux, buffer, n_rows)
+        return self._on_tree_sum(source, code, root, rid, buffer, what, payload)
+
+    def _on_tree_sum(self, source: int, code: int, root: int, rid: int, buffer: Words, what: str,
+                     payload: int) -> Step:
+        """A child's partial sum for tree ``code - _MASKED``, its header already checked by :meth:`receive`:
+        here the checks that need this request's state, then the sum is added or kept until ``start``."""
+        finished = self._finished[root]
         if source == root:
             raise ProtocolViolation(source, what, f"the root of request ({root}, {rid}) has no parent to "
                                     f"send a tree sum to")

@@ -17,12 +17,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from parties.runtime import TAG_THETA, PartyRuntime, PartyState
+from parties.runtime import TAG_THETA, PartyRuntime
 from protocols.dispatch import pack
-from vfl.algorithms.vfb2 import Block, get_rule
-from vfl.problems import get_problem
-
-N_ROWS, WIDTH = 40, 3
+from tests.mpi_scripts.small_party import N_ROWS, small_party
 
 
 class _WritesMarker:
@@ -39,14 +36,7 @@ def main() -> None:
     scenario = sys.argv[1]
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    rng = np.random.default_rng(rank)
-    block = Block.from_matrix(rng.normal(size=(N_ROWS, WIDTH)))
-    problem = get_problem("logistic", lam=0.1)
-    active = rank < 2
-    party = PartyState(rank=rank, block=block, w=np.zeros(WIDTH),
-                       rule=get_rule("sgd")(block, problem.regularizer, problem.lam, 0.05, writers=2),
-                       problem=problem if active else None,
-                       y=rng.choice([-1.0, 1.0], N_ROWS) if active else None)
+    party = small_party(rank, active=rank < 2)
     runtime = PartyRuntime(comm, party, active_ranks=[0, 1], threads=1, seed=0)
     if rank == 0:
         runtime.dominate(10)  # honest traffic first: the bad message is not the first one

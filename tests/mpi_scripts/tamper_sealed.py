@@ -11,13 +11,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from parties.runtime import TAG_THETA, PartyRuntime, PartyState
+from parties.runtime import TAG_THETA, PartyRuntime
 from protocols.channels import ChannelKeys, public_key
 from protocols.dispatch import pack
-from vfl.algorithms.vfb2 import Block, get_rule
-from vfl.problems import get_problem
-
-N_ROWS, WIDTH = 40, 3
+from tests.mpi_scripts.small_party import small_party
 
 
 def main() -> None:
@@ -26,14 +23,7 @@ def main() -> None:
     rank = comm.Get_rank()
     privates = [hashlib.sha256(f"test key {r}".encode()).digest() for r in range(comm.Get_size())]
     keys = ChannelKeys(privates[rank], tuple(public_key(p) for p in privates), b"test job")
-    rng = np.random.default_rng(rank)
-    block = Block.from_matrix(rng.normal(size=(N_ROWS, WIDTH)))
-    problem = get_problem("logistic", lam=0.1)
-    active = rank < 2
-    party = PartyState(rank=rank, block=block, w=np.zeros(WIDTH),
-                       rule=get_rule("sgd")(block, problem.regularizer, problem.lam, 0.05, writers=2),
-                       problem=problem if active else None,
-                       y=rng.choice([-1.0, 1.0], N_ROWS) if active else None)
+    party = small_party(rank, active=rank < 2)
     runtime = PartyRuntime(comm, party, active_ranks=[0, 1], threads=1, seed=0, keys=keys)
     if rank == 0:
         runtime.dominate(10)  # honest sealed traffic first
