@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -379,3 +382,13 @@ def test_with_epsilon_a_passive_party_gets_its_batch_gradient_only_under_calibra
         for start in range(0, len(rows) - 6, 7):  # a pass: 7 batches of 64 of the 455 rows
             chunk = np.concatenate(rows[start:start + 7])
             assert np.unique(chunk).size == chunk.size
+
+
+def test_the_encryption_library_does_not_write_into_a_runs_output():
+    """HEU logs "Create a fixed thread pool" on standard output when its pool starts; a run's output
+    (each rank's, echoed by the launcher) must not carry it, while our own prints still get through."""
+    code = ("import numpy as np; from protocols import label_he; "
+            "key = label_he.LabelKey('ou', 2048); key.encrypt(np.array([0.5, -0.25, 1.0])); print('ours')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.stdout == "ours\n" and "thread pool" not in proc.stderr
