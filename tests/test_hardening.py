@@ -231,6 +231,21 @@ def test_bad_aggregation_headers_are_rejected_naming_the_sender(buf, what: str, 
     assert node.open_requests == 0
 
 
+@pytest.mark.parametrize("kind", [Kind.REQUEST, Kind.MASKED, Kind.MASKS])
+def test_only_a_dominator_roots_an_aggregation(kind: int) -> None:
+    """A passive party that roots a request would read the model's score of every row it names (and make
+    every party compute for it): whatever it sends for a root that is not a dominator is refused."""
+    child, parent = _child_and_parent(root=1)
+    node = AggregationNode(parent, Q, PAIRS, roots=[0])
+    sender = 1 if kind == Kind.REQUEST else child
+    with pytest.raises(ProtocolViolation, match=violation(sender, kind.name) + ".*root 1 is not a "
+                       "dominator: only 0 may root an aggregation"):
+        node.receive(sender, _words(kind, 1, 0), n_rows=N_ROWS)
+    AggregationNode(parent, Q, PAIRS, roots=[1]).receive(sender, _words(kind, 1, 0), n_rows=N_ROWS)
+    with pytest.raises(ValueError, match="is not one of the roots"):
+        AggregationNode(1, Q, PAIRS, roots=[0]).announce(np.array([3]))
+
+
 def test_duplicate_requests_and_contributions_are_rejected_even_after_the_request_finished() -> None:
     node = AggregationNode(2, Q, PAIRS)
     node.receive(1, _words(Kind.REQUEST, 1, 0))
