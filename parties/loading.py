@@ -12,14 +12,14 @@ import hashlib
 
 import numpy as np
 
-from parties.config import RunConfig
+from parties.plan import JobPlan
 from parties.runtime import PartyState
 from vfl.algorithms.registry import get_algorithm
 from vfl.algorithms.vfb2 import Block, SAGARule
 from vfl.problems import get_problem
 
 
-def load_party(config: RunConfig, rank: int) -> PartyState:
+def load_party(config: JobPlan, rank: int) -> PartyState:
     """This rank's PartyState: its block of the training/test features and, if active, the labels."""
     active = rank < config.active
     if config.party_files is None:
