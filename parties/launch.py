@@ -109,7 +109,7 @@ def prepare(options: RunConfig, *, echo: bool = True) -> JobPlan:
               + (f", each party's rows clipped at the {plan.clip_quantile:g}-quantile of their norms"
                  if plan.clip_quantile < 1 else ""), flush=True)
     chosen_for_the_user = options.out is None and not options.resume
-    out = run_folder(options)
+    out = run_folder(plan)  # named after the resolved dataset (news20-standin, not news20)
     if options.resume:
         complete_epochs(out)  # a missing or damaged checkpoint is a usage error, found before mpiexec
     plan = dataclasses.replace(plan, out=str(out))
@@ -213,7 +213,7 @@ def write_private_key(path: Path, private: bytes) -> None:
         fh.write(private)
 
 
-def run_folder(config: RunConfig) -> Path:
+def run_folder(config: RunConfig | JobPlan) -> Path:
     """The run's folder: ``--out``, or a new ``runs/<time>-<dataset>`` (``--resume``: ``runs/latest``).
 
     A folder holding another run is never reused silently: that takes ``--resume`` or ``--overwrite``.

@@ -23,6 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from parties.checkpoint import complete_epochs, load_checkpoint, mark_complete, save_checkpoint
+from parties.config import RunConfig
 from parties.outcomes import Outcome
 from parties.plan import JobPlan, next_segment, segment_quota
 from parties.runtime import PartyRuntime, PartyState
@@ -46,12 +47,15 @@ class TrainResult:
     record: dict | None
 
 
-def train(comm: MPI.Comm, party: PartyState, config: JobPlan) -> TrainResult:
+def train(comm: MPI.Comm, party: PartyState, config: JobPlan | RunConfig) -> TrainResult:
     """Train this party's block with the other ranks of ``comm`` (collective); returns the outcome.
 
     ``party.w`` holds the trained block afterwards; checkpoints and the leader's metrics go to
-    ``config.out``.
+    ``config.out``. A plain :class:`RunConfig` (a program of one's own, with ``out`` set) is taken as
+    the plan that resolves nothing (no f*, no DP noise, no channel keys).
     """
+    if isinstance(config, RunConfig):
+        config = JobPlan.of(config)
     check_aligned(comm, party)
     algorithm = get_algorithm(config.algorithm)
     runtime = PartyRuntime(
