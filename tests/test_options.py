@@ -156,3 +156,18 @@ def test_resolve_derives_what_the_data_decides():
     assert plan.options.out is None and plan.dataset == "breast-cancer"
     with pytest.raises(ConfigError, match="cannot give each of 40 parties"):
         resolve(RunConfig(parties=40, active=1))
+
+
+def test_a_csv_folder_gets_the_same_he_checks_and_noise_as_other_data(tmp_path):
+    """The noise multiplier is derived for every kind of data: a folder of party-<p>.csv files too."""
+    from tests.test_csv_party_folders import write_folder
+
+    rows = range(40)
+    active = "id,a,label,split\n" + "".join(f"{i},{i / 40},{i % 2},train\n" for i in rows)
+    passive = "id,b,split\n" + "".join(f"{i},{(i * 7) % 40 / 40},train\n" for i in rows)
+    folder = write_folder(tmp_path / "csv", active, passive, passive.replace(",b,", ",c,"))
+    options = RunConfig(parties=3, active=1, party_files=str(folder), label_privacy="he", algorithm="sgd",
+                        batch_size=16, epsilon=1.0, epochs=1.0)
+    plan = resolve(options)
+    assert plan.noise_multiplier is not None and plan.noise_multiplier > 0
+    assert plan.party_files == str(folder) and plan.options is options
