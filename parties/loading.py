@@ -13,14 +13,14 @@ import hashlib
 import numpy as np
 
 from parties.checkpoint import atomic_write
-from parties.config import RunConfig
+from parties.plan import JobPlan
 from parties.runtime import PartyState
 from vfl.algorithms.registry import get_algorithm
 from vfl.algorithms.vfb2 import Block, SAGARule
 from vfl.problems import get_problem
 
 
-def load_party(config: RunConfig, rank: int) -> PartyState:
+def load_party(config: JobPlan, rank: int) -> PartyState:
     """This rank's PartyState: its block of the training/test features and, if active, the labels."""
     active = rank < config.active
     if config.party_files is None:
@@ -51,7 +51,7 @@ def load_party(config: RunConfig, rank: int) -> PartyState:
         ids_digest=ids_digest(train_ids, test_ids))
 
 
-def noisy_labels(config: RunConfig, rank: int, y: np.ndarray, ids: np.ndarray) -> np.ndarray:
+def noisy_labels(config: JobPlan, rank: int, y: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """``--label-privacy dp``: the randomized response of this party's training labels, drawn **once per
     run** and kept in its own folder (``label-dp-<rank>.npz``).
 

@@ -18,7 +18,8 @@ import pytest
 import scipy.sparse as sp
 
 from experiments.label_attacks import Transcript, attack_all
-from parties.config import ConfigError, RunConfig, check_he_batch, check_he_features, validate
+from parties.config import ConfigError, RunConfig
+from parties.plan import check_he_batch, check_he_features, resolve
 from parties.runtime import (
     AUDIT_FULL_THETA,
     AUDIT_HE_FULL_GRADIENT,
@@ -148,14 +149,14 @@ def test_he_messages_pass_the_envelope_only_in_he_mode_and_in_their_direction():
 def test_he_mode_refuses_what_would_reveal_theta():
     base = dict(dataset="breast-cancer", parties=3, active=1, algorithm="sgd", label_privacy="he",
                 batch_size=16)
-    validate(RunConfig(**base))  # breast-cancer: 30 features, widest block of 3 parties 10 columns
-    validate(RunConfig(**{**base, "algorithm": "svrg"}))
+    resolve(RunConfig(**base))  # breast-cancer: 30 features, widest block of 3 parties 10 columns
+    resolve(RunConfig(**{**base, "algorithm": "svrg"}))
     for bad, message in ((dict(batch_size=1), "at least 16"), (dict(batch_size=8), "at least 16"),
                          (dict(algorithm="saga"), "sgd or svrg"),
                          (dict(algorithm="saga-scalar"), "sgd or svrg"),
                          (dict(updates="lazy"), "eager"), (dict(he_key_bits=1024), "he-key-bits")):
         with pytest.raises(ConfigError, match=message):
-            validate(RunConfig(**{**base, **bad}))
+            resolve(RunConfig(**{**base, **bad}))
     # a passive block of 40 columns: B = 40 would leave 40 equations for 40 unknowns
     with pytest.raises(ConfigError, match=r"at least 41 here.*40 columns"):
         check_he_batch(RunConfig(**{**base, "batch_size": 40}), 40, 1000)
