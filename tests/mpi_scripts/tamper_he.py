@@ -17,7 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from parties.runtime import PartyRuntime, PartyState
+from parties.runtime import PartyRuntime, PartyState, RuntimeOptions
 from vfl.algorithms.vfb2 import Block, get_rule
 from vfl.problems import get_problem
 
@@ -38,10 +38,10 @@ def main() -> None:
     party = PartyState(rank=rank, block=block, w=np.zeros(WIDTH), rule=rule,
                        problem=problem if active else None,
                        y=rng.choice([-1.0, 1.0], N_ROWS) if active else None)
-    runtime = PartyRuntime(comm, party, active_ranks=[0], threads=1, seed=0, batch_size=BATCH,
-                           label_privacy="he")
+    runtime = PartyRuntime(comm, party, RuntimeOptions(active_ranks=(0,), threads=1, seed=0, batch_size=BATCH,
+                                                       label_privacy="he"))
     if rank == 1:
-        gradients = runtime._he_gradients[0]
+        gradients = runtime.label.gradients[0]
         honest, calls = gradients.masked, []
 
         def forged(payload: bytes, rows: np.ndarray) -> bytes:
@@ -54,7 +54,7 @@ def main() -> None:
 
         gradients.masked = forged
         if scenario == "full-huge":
-            runtime._send_framed = lambda words, dest, tag: runtime.ctrl.Send(
+            runtime.control.send_framed = lambda tag, dest, words: runtime.control.comm.Send(
                 np.array([1 << 40], dtype=np.uint64), dest, tag)
     if full:
         runtime.snapshot(0)

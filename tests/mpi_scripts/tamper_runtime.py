@@ -17,7 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from parties.runtime import TAG_THETA, PartyRuntime, PartyState
+from parties.runtime import TAG_THETA, PartyRuntime, PartyState, RuntimeOptions
 from protocols.dispatch import pack
 from vfl.algorithms.vfb2 import Block, get_rule
 from vfl.problems import get_problem
@@ -47,7 +47,7 @@ def main() -> None:
                        rule=get_rule("sgd")(block, problem.regularizer, problem.lam, 0.05, writers=2),
                        problem=problem if active else None,
                        y=rng.choice([-1.0, 1.0], N_ROWS) if active else None)
-    runtime = PartyRuntime(comm, party, active_ranks=[0, 1], threads=1, seed=0)
+    runtime = PartyRuntime(comm, party, RuntimeOptions(active_ranks=(0, 1), threads=1, seed=0))
     if rank == 0:
         runtime.dominate(10)  # honest traffic first: the bad message is not the first one
     comm.Barrier()
@@ -58,7 +58,7 @@ def main() -> None:
             bad = pack(0, np.array([3]), np.array([0.5]))[:-1].copy()
         else:
             bad = np.frombuffer(pickle.dumps(_WritesMarker(sys.argv[2])), dtype=np.uint8).copy()
-        runtime.data.Send([bad, MPI.BYTE], 0, TAG_THETA)
+        runtime.plane.data.Send([bad, MPI.BYTE], 0, TAG_THETA)
     time.sleep(3)  # party 0's communication thread sees the message now; a correct party aborts the job
     runtime.close()
     print(f"NOT REJECTED {rank} {os.path.exists(sys.argv[2]) if len(sys.argv) > 2 else ''}", flush=True)

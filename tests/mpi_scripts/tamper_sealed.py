@@ -11,7 +11,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from parties.runtime import TAG_THETA, PartyRuntime, PartyState
+from parties.runtime import TAG_THETA, PartyRuntime, PartyState, RuntimeOptions
 from protocols.channels import ChannelKeys, public_key
 from protocols.dispatch import pack
 from vfl.algorithms.vfb2 import Block, get_rule
@@ -34,18 +34,18 @@ def main() -> None:
                        rule=get_rule("sgd")(block, problem.regularizer, problem.lam, 0.05, writers=2),
                        problem=problem if active else None,
                        y=rng.choice([-1.0, 1.0], N_ROWS) if active else None)
-    runtime = PartyRuntime(comm, party, active_ranks=[0, 1], threads=1, seed=0, keys=keys)
+    runtime = PartyRuntime(comm, party, RuntimeOptions(active_ranks=(0, 1), threads=1, seed=0, keys=keys))
     if rank == 0:
         runtime.dominate(10)  # honest sealed traffic first
     comm.Barrier()
     if rank == 1:
         with runtime.transport.send_lock:  # the next counter of the link to party 0, as an honest send
-            sealed = runtime.channels.seal(0, TAG_THETA, pack(0, np.array([3]), np.array([0.5])))
+            sealed = runtime.plane.channels.seal(0, TAG_THETA, pack(0, np.array([3]), np.array([0.5])))
             if scenario == "tampered":
                 sealed[1] ^= np.uint64(1)  # one bit of the ciphertext
-            runtime.data.Send(sealed, 0, TAG_THETA)
+            runtime.plane.data.Send(sealed, 0, TAG_THETA)
             if scenario == "replayed":
-                runtime.data.Send(sealed, 0, TAG_THETA)
+                runtime.plane.data.Send(sealed, 0, TAG_THETA)
     time.sleep(3)
     runtime.close()
     print(f"NOT REJECTED {rank}", flush=True)
