@@ -115,64 +115,24 @@ class _Trainer:
         self.folder = config.party_folder(self.rank)
         self.log = None
         self.bar = None
+        self.next_snapshot = 0.0
 
     def run(self) -> TrainResult:
         config, party = self.config, self.party
         if config.resume:
-            epochs = self.rt.broadcast_float(complete_epochs(self.out) if self.rank == LEADER else 0.0)
-            ckpt = load_checkpoint(self.folder, self.rank, party.block.n_cols, epochs)
-            party.w[:] = ckpt.w
-            self.epochs, self.train_time, self.updates = ckpt.epochs, ckpt.train_time, ckpt.updates
-            if self.rank == LEADER:
-                print(f"resuming from epoch {ckpt.epochs:g}, the newest epoch every party completed "
-                      f"({ckpt.updates} dominated updates, {ckpt.train_time:.2f} s of training so far)",
-                      flush=True)
+            self._resume()
         if self.rank == LEADER:
-            self.out.mkdir(parents=True, exist_ok=True)
-            self.log = open(self.out / "metrics.jsonl", "a" if config.resume else "w")  # noqa: SIM115
-            if config.progress:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=config.epochs, initial=self.epochs, unit="epoch",
-                                desc=f"VFB²-{config.algorithm} {config.mode} q={config.parties}")
+            self._open_log()
         record = self._evaluate()
         if party.rule.needs_initial_pass:
             started = time.perf_counter()
             party.rule.initialize(self.rt.full_theta(LEADER), party.w)
             self.rt.barrier()  # no (ϑ, i) may reach a party before its table is built
             self.train_time += time.perf_counter() - started
-        n = party.block.n_rows
         outcome = self._decide(record)
-        next_snapshot = self.epochs  # a resumed run rebuilds its snapshot from the restored blocks
+        self.next_snapshot = self.epochs  # a resumed run rebuilds its snapshot from the restored blocks
         while outcome is Outcome.CONTINUE:
-            segment = min(config.eval_every, config.epochs - self.epochs)
-            if config.gamma_decay:
-                # the step changes only at whole epochs, with every coordinate up to date (drain)
-                party.rule.set_gamma(config.gamma_at(self.epochs))
-                segment = min(segment, math.floor(self.epochs + EPOCH_SLACK) + 1 - self.epochs)
-            started = time.perf_counter()
-            if party.rule.needs_snapshot:
-                # every rank sums the same words into self.epochs, so all agree on when this happens
-                if self.epochs >= next_snapshot - SNAPSHOT_SLACK:
-                    self.rt.snapshot(LEADER)
-                    # every party holds the new ϑ₀ and μ before any dominator sends a (ϑ, i) of this
-                    # outer loop: one applied with the previous snapshot's ϑ₀ would not be an SVRG step
-                    self.rt.barrier()
-                    next_snapshot = self.epochs + config.snapshot_every
-                segment = min(segment, next_snapshot - self.epochs)
-            done = 0
-            if party.active:
-                quota = math.ceil(segment * n / (config.active * config.batch_size))
-                deadline = (None if config.time_limit is None
-                            else started + config.time_limit - self.train_time)
-                done = self.rt.dominate(quota, deadline)
-                self.rt.finish_segment()
-            self.rt.drain()
-            self.train_time += time.perf_counter() - started
-            done_all = self.rt.sum_word(done)
-            self.updates += done_all
-            self.epochs += (done_all * config.batch_size / n if config.time_limit is not None
-                            else segment)  # cut short?
+            self._segment()
             record = self._evaluate()
             save_checkpoint(self.folder, self.rank, party.w, self.epochs, self.train_time, self.updates)
             self.rt.barrier()  # every party has written this epoch's block: it is complete
@@ -186,6 +146,58 @@ class _Trainer:
             self._summary(record, outcome)
         return TrainResult(outcome, self.epochs, self.updates, self.train_time,
                            record if self.rank == LEADER else None)
+
+    def _resume(self) -> None:
+        """Every party restores its block of the newest epoch all of them completed (the leader's word)."""
+        epochs = self.rt.broadcast_float(complete_epochs(self.out) if self.rank == LEADER else 0.0)
+        ckpt = load_checkpoint(self.folder, self.rank, self.party.block.n_cols, epochs)
+        self.party.w[:] = ckpt.w
+        self.epochs, self.train_time, self.updates = ckpt.epochs, ckpt.train_time, ckpt.updates
+        if self.rank == LEADER:
+            print(f"resuming from epoch {ckpt.epochs:g}, the newest epoch every party completed "
+                  f"({ckpt.updates} dominated updates, {ckpt.train_time:.2f} s of training so far)",
+                  flush=True)
+
+    def _open_log(self) -> None:
+        config = self.config
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.out / "metrics.jsonl", "a" if config.resume else "w")  # noqa: SIM115
+        if config.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=config.epochs, initial=self.epochs, unit="epoch",
+                            desc=f"VFB²-{config.algorithm} {config.mode} q={config.parties}")
+
+    def _segment(self) -> None:
+        """One segment of training between two barriers (SVRG's snapshot first when one is due)."""
+        config, party, n = self.config, self.party, self.party.block.n_rows
+        segment = min(config.eval_every, config.epochs - self.epochs)
+        if config.gamma_decay:
+            # the step changes only at whole epochs, with every coordinate up to date (drain)
+            party.rule.set_gamma(config.gamma_at(self.epochs))
+            segment = min(segment, math.floor(self.epochs + EPOCH_SLACK) + 1 - self.epochs)
+        started = time.perf_counter()
+        if party.rule.needs_snapshot:
+            # every rank sums the same words into self.epochs, so all agree on when this happens
+            if self.epochs >= self.next_snapshot - SNAPSHOT_SLACK:
+                self.rt.snapshot(LEADER)
+                # every party holds the new ϑ₀ and μ before any dominator sends a (ϑ, i) of this
+                # outer loop: one applied with the previous snapshot's ϑ₀ would not be an SVRG step
+                self.rt.barrier()
+                self.next_snapshot = self.epochs + config.snapshot_every
+            segment = min(segment, self.next_snapshot - self.epochs)
+        done = 0
+        if party.active:
+            quota = math.ceil(segment * n / (config.active * config.batch_size))
+            deadline = None if config.time_limit is None else started + config.time_limit - self.train_time
+            done = self.rt.dominate(quota, deadline)
+            self.rt.finish_segment()
+        self.rt.drain()
+        self.train_time += time.perf_counter() - started
+        done_all = self.rt.sum_word(done)
+        self.updates += done_all
+        self.epochs += (done_all * config.batch_size / n if config.time_limit is not None
+                        else segment)  # cut short?
 
     # ------------------------------------------------------------------------------------ the leader
 
