@@ -83,6 +83,7 @@ class DataPlane:
         self.inflight = 1 if self.synchronous else options.inflight
         self.piggyback = options.piggyback and options.dispatch
         self.he = label is not None
+        self._lockstep = control.lockstep is not None  # sync-global: the dominators agree on each step
         #: --label-privacy he with passive parties: their batches go encrypted
         self._he_passive = self.he and len(self.active_ranks) < self.q
         #: sync modes: the most steps this dominator ever had broadcast but not fully acknowledged
@@ -471,9 +472,7 @@ class DataPlane:
         """Whether to start another step: within the time budget, and under ``sync-global`` only when
         every dominator starts it too (one agreement per step: they stop together)."""
         go = deadline is None or step % 64 != 0 or time.perf_counter() <= deadline
-        if self.control.lockstep is None:
-            return go
-        return self.control.agree(go)
+        return self.control.agree(go) if self._lockstep else go
 
     # ---------------------------------------------------------------------------------- main thread
 
