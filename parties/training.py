@@ -26,10 +26,9 @@ from parties.checkpoint import complete_epochs, load_checkpoint, mark_complete, 
 from parties.config import RunConfig
 from parties.outcomes import Outcome
 from parties.plan import JobPlan, next_segment, segment_quota
-from parties.runtime import PartyRuntime, PartyState
+from parties.runtime import PartyRuntime, PartyState, RuntimeOptions
 from protocols.channels import ChannelKeys
 from protocols.errors import ProtocolViolation
-from vfl.algorithms.registry import get_algorithm
 
 LEADER = 0
 #: A loss above this multiple of the initial loss (or non-finite) means the run diverged.
@@ -57,18 +56,8 @@ def train(comm: MPI.Comm, party: PartyState, config: JobPlan | RunConfig) -> Tra
     if isinstance(config, RunConfig):
         config = JobPlan.of(config)
     check_aligned(comm, party)
-    algorithm = get_algorithm(config.algorithm)
-    runtime = PartyRuntime(
-        comm, party, active_ranks=list(range(config.active)), threads=config.worker_threads,
-        seed=config.seed, mode=config.mode, dispatch=algorithm.dispatch, batch_size=config.batch_size,
-        inflight=config.inflight, piggyback=config.piggyback,
-        straggler=config.straggler, slowdown=config.slowdown, apply_delay=config.apply_delay_ms / 1e3,
-        peer_timeout=config.peer_timeout, link_delay=config.link_delay_ms / 1e3,
-        link_jitter=config.link_jitter_ms / 1e3, keys=channel_keys(config, comm.Get_rank()),
-        allow_two_parties=config.allow_two_parties,
-        audit=config.audit, label_privacy=config.label_privacy, he_scheme=config.he_scheme,
-        he_key_bits=config.he_key_bits, noise_multiplier=config.noise_multiplier,
-        clip_quantile=config.clip_quantile)
+    runtime = PartyRuntime(comm, party, RuntimeOptions.from_config(
+        config, keys=channel_keys(config, comm.Get_rank())))
     result = _Trainer(runtime, config).run()
     runtime.close()
     if config.audit:
@@ -141,7 +130,7 @@ class _Trainer:
         if party.rule.needs_initial_pass:
             started = time.perf_counter()
             party.rule.initialize(self.rt.full_theta(LEADER), party.w)
-            self.rt.ctrl.Barrier()  # no (ϑ, i) may reach a party before its table is built
+            self.rt.barrier()  # no (ϑ, i) may reach a party before its table is built
             self.train_time += time.perf_counter() - started
         outcome = self._decide(record)
         next_snapshot = self.epochs  # a resumed run rebuilds its snapshot from the restored blocks
@@ -149,7 +138,7 @@ class _Trainer:
             next_snapshot = self._segment(next_snapshot)
             record = self._evaluate()
             save_checkpoint(self.folder, self.rank, party.w, self.epochs, self.train_time, self.updates)
-            self.rt.ctrl.Barrier()  # every party has written this epoch's block: it is complete
+            self.rt.barrier()  # every party has written this epoch's block: it is complete
             if self.rank == LEADER:
                 mark_complete(self.out, self.epochs)
             outcome = self._decide(record)
@@ -196,7 +185,7 @@ class _Trainer:
             self.rt.snapshot(LEADER)
             # every party holds the new ϑ₀ and μ before any dominator sends a (ϑ, i) of this outer
             # loop: one applied with the previous snapshot's ϑ₀ would not be an SVRG step
-            self.rt.ctrl.Barrier()
+            self.rt.barrier()
             next_snapshot = self.epochs + config.snapshot_every
         # the schedule the label-DP accounting counts (parties.plan.label_dp_releases)
         segment = next_segment(config.options, self.epochs,

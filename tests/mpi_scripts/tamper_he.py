@@ -17,7 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from parties.runtime import PartyRuntime
+from parties.runtime import PartyRuntime, RuntimeOptions
 from tests.mpi_scripts.small_party import small_party
 
 BATCH = 16
@@ -29,10 +29,10 @@ def main() -> None:
     rank = comm.Get_rank()
     full = scenario.startswith("full")
     party = small_party(rank, active=rank == 0, rule="svrg" if full else "sgd", lazy=False, batch_size=BATCH)
-    runtime = PartyRuntime(comm, party, active_ranks=[0], threads=1, seed=0, batch_size=BATCH,
-                           label_privacy="he")
+    runtime = PartyRuntime(comm, party, RuntimeOptions(active_ranks=(0,), threads=1, seed=0, batch_size=BATCH,
+                                                       label_privacy="he"))
     if rank == 1:
-        gradients = runtime._he_gradients[0]
+        gradients = runtime.label.gradients[0]
         honest, calls = gradients.masked, []
 
         def forged(payload: bytes, rows: np.ndarray) -> bytes:
@@ -45,7 +45,7 @@ def main() -> None:
 
         gradients.masked = forged
         if scenario == "full-huge":
-            runtime._send_framed = lambda words, dest, tag: runtime.ctrl.Send(
+            runtime.control.send_framed = lambda tag, dest, words: runtime.control.comm.Send(
                 np.array([1 << 40], dtype=np.uint64), dest, tag)
     if full:
         runtime.snapshot(0)

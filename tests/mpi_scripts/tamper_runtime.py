@@ -17,7 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from parties.runtime import TAG_THETA, PartyRuntime
+from parties.runtime import TAG_THETA, PartyRuntime, RuntimeOptions
 from protocols.dispatch import pack
 from tests.mpi_scripts.small_party import N_ROWS, small_party
 
@@ -37,7 +37,7 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     party = small_party(rank, active=rank < 2)
-    runtime = PartyRuntime(comm, party, active_ranks=[0, 1], threads=1, seed=0)
+    runtime = PartyRuntime(comm, party, RuntimeOptions(active_ranks=(0, 1), threads=1, seed=0))
     if rank == 0:
         runtime.dominate(10)  # honest traffic first: the bad message is not the first one
     comm.Barrier()
@@ -48,7 +48,7 @@ def main() -> None:
             bad = pack(0, np.array([3]), np.array([0.5]))[:-1].copy()
         else:
             bad = np.frombuffer(pickle.dumps(_WritesMarker(sys.argv[2])), dtype=np.uint8).copy()
-        runtime.data.Send([bad, MPI.BYTE], 0, TAG_THETA)
+        runtime.plane.data.Send([bad, MPI.BYTE], 0, TAG_THETA)
     time.sleep(3)  # party 0's communication thread sees the message now; a correct party aborts the job
     runtime.close()
     print(f"NOT REJECTED {rank} {os.path.exists(sys.argv[2]) if len(sys.argv) > 2 else ''}", flush=True)

@@ -11,7 +11,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from parties.runtime import TAG_THETA, PartyRuntime
+from parties.runtime import TAG_THETA, PartyRuntime, RuntimeOptions
 from protocols.channels import ChannelKeys, public_key
 from protocols.dispatch import pack
 from tests.mpi_scripts.small_party import small_party
@@ -24,18 +24,18 @@ def main() -> None:
     privates = [hashlib.sha256(f"test key {r}".encode()).digest() for r in range(comm.Get_size())]
     keys = ChannelKeys(privates[rank], tuple(public_key(p) for p in privates), b"test job")
     party = small_party(rank, active=rank < 2)
-    runtime = PartyRuntime(comm, party, active_ranks=[0, 1], threads=1, seed=0, keys=keys)
+    runtime = PartyRuntime(comm, party, RuntimeOptions(active_ranks=(0, 1), threads=1, seed=0, keys=keys))
     if rank == 0:
         runtime.dominate(10)  # honest sealed traffic first
     comm.Barrier()
     if rank == 1:
         with runtime.transport.send_lock:  # the next counter of the link to party 0, as an honest send
-            sealed = runtime.channels.seal(0, TAG_THETA, pack(0, np.array([3]), np.array([0.5])))
+            sealed = runtime.plane.channels.seal(0, TAG_THETA, pack(0, np.array([3]), np.array([0.5])))
             if scenario == "tampered":
                 sealed[1] ^= np.uint64(1)  # one bit of the ciphertext
-            runtime.data.Send(sealed, 0, TAG_THETA)
+            runtime.plane.data.Send(sealed, 0, TAG_THETA)
             if scenario == "replayed":
-                runtime.data.Send(sealed, 0, TAG_THETA)
+                runtime.plane.data.Send(sealed, 0, TAG_THETA)
     time.sleep(3)
     runtime.close()
     print(f"NOT REJECTED {rank}", flush=True)
