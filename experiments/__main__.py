@@ -18,6 +18,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                            "secure aggregation vs a plain MPI Reduce (issue 3 benchmark)"),
     "psi": ("experiments.bench_psi", "vfl align PSI: time and bytes at 10k-1M ids (issue 17)"),
     "channels": ("experiments.bench_channels", "--secure-channels: seal/open cost, per-update time vs plain"),
+    "against_commit": ("experiments.bench_against_commit",
+                       "this tree against an earlier commit, alternating: a9a ms per update, HFL round time"),
     "piggyback": ("experiments.bench_piggyback",
                   "--piggyback vs plain dispatch: time per dominated update, with a serial run beside"),
     "update_profile": ("experiments.bench_update_profile",

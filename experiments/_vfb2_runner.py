@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -243,8 +243,7 @@ def run_job(config: RunConfig, tag: str, *, keep: Path | None = None) -> JobResu
     """
     work = Path(tempfile.mkdtemp(prefix=f"vfb2-{tag}-"))
     try:
-        config.out = str(work)
-        config.progress = False
+        config = replace(config, out=str(work), progress=False)
         cpu_before = _children_cpu()
         started = time.perf_counter()
         code = launch(config)

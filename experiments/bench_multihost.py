@@ -18,6 +18,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -39,8 +40,7 @@ COLOURS = colours(PLACEMENTS)
 def train_once(config: RunConfig, env: dict[str, str]) -> dict:
     """One job; its training time, dominated updates and time per update."""
     with tempfile.TemporaryDirectory(prefix="multihost-") as work:
-        config.out, config.overwrite = work, True
-        code = launch(config, extra_env=env, echo=False)
+        code = launch(replace(config, out=work, overwrite=True), extra_env=env, echo=False)
         if code != 0:
             raise RuntimeError(f"the job failed with exit code {code}")
         result = json.loads(Path(work, "result.json").read_text())
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
 
     config = RunConfig(parties=args.parties, active=args.active, dataset=args.dataset,
                        algorithm=args.algorithm, gamma=args.gamma, epochs=args.epochs, progress=False)
-    config.f_star = reference_f_star(config)  # once, not in every job
+    config = replace(config, f_star=reference_f_star(config))  # once, not in every job
     cpu, rows = cpu_model(), []
     with netns.emulated_hosts(args.parties, prefix="vflbench", subnet=args.subnet) as hosts:
         envs = {"one host": {}, "one namespace per party": hosts.mpiexec_env()}
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             for place in PLACEMENTS:
                 load = os.getloadavg()[0]
                 row = {"repeat": repeat, "placement": place,
-                       **train_once(RunConfig(**vars(config)), envs[place]),
+                       **train_once(config, envs[place]),
                        **pingpong_once(args.parties, args.pingpong, envs[place]),
                        "load_1min": round(load, 2), "load_1min_after": round(os.getloadavg()[0], 2),
                        "cpu": cpu}

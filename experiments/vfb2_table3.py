@@ -100,7 +100,7 @@ def run_dataset(name: str, problem: str, seeds: list[int], *, parties: int, targ
                                     parties=parties, active=active, seed=seed, epochs=cap,
                                     target_suboptimality=stop, eval_every=1.0, party_files=str(folder))
                 job = run_job(config, f"{name}-{problem}-{algorithm}-seed{seed}")
-                job.config.dataset = label
+                job.config = replace(job.config, dataset=label)
                 runs += job.rows()
                 results.append({"dataset": name, "problem": problem, "algorithm": algo_label, "seed": seed,
                                 "rmse": job.final["test_rmse"], "epochs": job.epochs,

@@ -169,6 +169,53 @@ class RankResult:
     bytes_sent: int
 
 
+def _announce_sizes(comm, n_ids: int) -> list[int]:
+    """Every party's set size, announced up front so that every later message has a size its receiver
+    knows; a size out of range is its announcer's fault."""
+    sizes_arr = np.zeros(comm.Get_size(), dtype=np.int64)
+    comm.Allgather(np.array([n_ids], dtype=np.int64), sizes_arr)
+    for r, n in enumerate(sizes_arr.tolist()):
+        if not 0 < n <= MAX_IDS:
+            raise psi.PsiError(r, "set size", f"{n}")
+    return [int(n) for n in sizes_arr]
+
+
+def _job_domain(comm, lead: int, context: bytes) -> bytes:
+    """A job-wide domain separator: a fresh leader nonce plus the caller's context."""
+    fresh = comm.Get_rank() == lead
+    nonce = np.frombuffer(os.urandom(16), dtype=np.uint8).copy() if fresh else np.empty(16, np.uint8)
+    comm.Bcast(nonce, root=lead)
+    return b"vfl-align/v1\x00" + nonce.tobytes() + context
+
+
+def _ring(link: Link, party: psi.Party, ids: list[str], domain: bytes, sizes: list[int]) -> np.ndarray:
+    """Each list goes once around the ring, every party adding its key; returns the list this rank
+    blinded last (that of ``party.next``), under every key, shuffled and cut to tags."""
+    current = party.start(ids, domain)
+    for t in range(1, party.q):  # after round t this rank holds the list of owner (rank - t) mod q
+        owner = (party.rank - t) % party.q
+        link.send(current, party.next, TAG_RING)
+        got = link.recv(party.prev, TAG_RING, np.uint8, (sizes[owner], psi.POINT),
+                        f"blinded list (round {t}, {sizes[owner]} ids of party {owner})")
+        link.wait()
+        current = party.hop(got)
+    return party.finish_ring(current)
+
+
+def _leader_intersect(link: Link, party: psi.Party, tagged: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    """The leader collects every fully blinded list (rank r sends that of r + 1) and intersects them:
+    per owner, the positions of the common values in the list its last hop shuffled."""
+    q = party.q
+    lists: dict[int, np.ndarray] = {party.next: tagged}
+    for r in range(q):
+        if r != party.rank:
+            owner = (r + 1) % q
+            raw = link.recv(r, TAG_TAGS, np.uint8, (sizes[owner] * psi.TAG,),
+                            f"fully blinded list ({sizes[owner]} tags of party {owner})")
+            lists[owner] = raw.view(f"V{psi.TAG}")
+    return psi.intersect([lists[o] for o in range(q)], [psi.last_hop(o, q) for o in range(q)])
+
+
 def align_ids(comm, ids: list[str], context: bytes = b"") -> RankResult:
     """This rank's part of the protocol (docs/alignment.md, "Message flow"); collective over ``comm``.
 
@@ -179,41 +226,15 @@ def align_ids(comm, ids: list[str], context: bytes = b"") -> RankResult:
     rank, q = comm.Get_rank(), comm.Get_size()
     lead = psi.leader()
     link = Link(comm)
-    # Set sizes are announced up front: every later message has a size the receiver knows.
-    sizes_arr = np.zeros(q, dtype=np.int64)
-    comm.Allgather(np.array([len(ids)], dtype=np.int64), sizes_arr)
-    for r, n in enumerate(sizes_arr.tolist()):
-        if not 0 < n <= MAX_IDS:
-            raise psi.PsiError(r, "set size", f"{n}")
-    sizes = [int(n) for n in sizes_arr]
-    # A job-wide domain separator: a fresh leader nonce plus the caller's context.
-    nonce = np.frombuffer(os.urandom(16), dtype=np.uint8).copy() if rank == lead else np.empty(16, np.uint8)
-    comm.Bcast(nonce, root=lead)
-    domain = b"vfl-align/v1\x00" + nonce.tobytes() + context
-
+    sizes = _announce_sizes(comm, len(ids))
     party = psi.Party(rank, q)
-    current = party.start(ids, domain)
-    for t in range(1, q):  # after round t this rank holds the list of owner (rank - t) mod q
-        owner = (rank - t) % q
-        link.send(current, party.next, TAG_RING)
-        got = link.recv(party.prev, TAG_RING, np.uint8, (sizes[owner], psi.POINT),
-                        f"blinded list (round {t}, {sizes[owner]} ids of party {owner})")
-        link.wait()
-        current = party.hop(got)
+    tagged = _ring(link, party, ids, _job_domain(comm, lead, context), sizes)
     mine_last = party.next  # this rank applied the last key to the list of its successor
-    tagged = party.finish_ring(current)
     if rank != lead:
         link.send(tagged.view(np.uint8), lead, TAG_TAGS)
         positions = None
     else:
-        lists: dict[int, np.ndarray] = {mine_last: tagged}
-        for r in range(q):
-            if r != lead:
-                owner = (r + 1) % q
-                raw = link.recv(r, TAG_TAGS, np.uint8, (sizes[owner] * psi.TAG,),
-                                f"fully blinded list ({sizes[owner]} tags of party {owner})")
-                lists[owner] = raw.view(f"V{psi.TAG}")
-        positions = psi.intersect([lists[o] for o in range(q)], [psi.last_hop(o, q) for o in range(q)])
+        positions = _leader_intersect(link, party, tagged, sizes)
     count = np.array([len(positions[0]) if positions is not None else 0], dtype=np.int64)
     comm.Bcast(count, root=lead)
     k = int(count[0])

@@ -42,9 +42,16 @@ def _previous_path(out: str | Path, rank: int) -> Path:
     return Path(out) / f"party-{rank}.prev.ckpt.npz"
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
+    """Write ``path`` whole or not at all: into ``<name>.tmp`` first, then renamed over it.
+
+    The temporary file is created anew, never opened through a link: whatever sits at its name (a
+    symlink planted there pointing outside the party's folder, a stale file) is removed first, and
+    ``O_EXCL | O_NOFOLLOW`` refuse anything that appears between the two calls."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as fh:
         write(fh)
         fh.flush()
         os.fsync(fh.fileno())
@@ -58,14 +65,14 @@ def save_checkpoint(out: str | Path, rank: int, w: np.ndarray, epochs: float, tr
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
         os.replace(path, _previous_path(out, rank))
-    _atomic_write(path, lambda fh: np.savez(fh, w=w, epochs=epochs, train_time=train_time, updates=updates))
+    atomic_write(path, lambda fh: np.savez(fh, w=w, epochs=epochs, train_time=train_time, updates=updates))
     return path
 
 
 def mark_complete(out: str | Path, epochs: float) -> None:
     """Leader: every party has written the epoch, so it is the one to resume from."""
     text = json.dumps({"epochs": epochs}).encode()
-    _atomic_write(Path(out) / MANIFEST, lambda fh: fh.write(text))
+    atomic_write(Path(out) / MANIFEST, lambda fh: fh.write(text))
 
 
 def complete_epochs(out: str | Path) -> float:

@@ -1,7 +1,8 @@
 """Launching and supervising a VFB² job from one ordinary process (``vfl train``, ``mpirun.sh``).
 
-``launch(config)`` validates the whole configuration (so a bad option fails before any rank starts),
-solves the NonF reference for f* when the data is a named dataset, writes ``<out>/config.json``,
+``launch(options)`` resolves the job plan (:mod:`parties.plan`: the options checked against the data,
+so a bad option fails before any rank starts), solves the NonF reference for f* when the data is a
+named dataset, writes the plan to ``<out>/config.json``,
 starts ``mpiexec -n q python -m mpi4py -m parties.rank`` (see :mod:`parties.rank`) and, when the job
 ends, turns its outcome into one line and an exit code (:data:`EXIT_CODES`): which party failed
 first, a divergence, a target not reached, an interrupt.
@@ -9,6 +10,7 @@ first, a divergence, a target not reached, an interrupt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -19,8 +21,9 @@ import time
 from pathlib import Path
 
 from parties.checkpoint import MANIFEST, complete_epochs
-from parties.config import ConfigError, RunConfig, csv_party_folder, job_dataset, validate
+from parties.config import ConfigError, RunConfig
 from parties.outcomes import EXIT_CODES, divergence_advice, find_stop
+from parties.plan import JobPlan, csv_party_folder, job_dataset, resolve
 from vfl.datasets.csv_parties import is_csv_folder
 from vfl.problems import get_problem
 
@@ -38,7 +41,7 @@ def mpiexec_path() -> str:
     return found
 
 
-def reference_f_star(config: RunConfig) -> float:
+def reference_f_star(config: RunConfig | JobPlan) -> float:
     """f* of the job's problem on its pooled training data (the NonF reference)."""
     from vfl.reference import solve_reference
 
@@ -47,8 +50,9 @@ def reference_f_star(config: RunConfig) -> float:
     return float(solve_reference(problem, ds.X_train, ds.y_train).f_star)
 
 
-def write_party_files(config: RunConfig, out: Path) -> None:
-    """Give each party its own file of a named dataset, so every rank reads only its own block.
+def write_party_files(plan: JobPlan, out: Path) -> str:
+    """Give each party its own file of a named dataset, so every rank reads only its own block;
+    returns their folder.
 
     A simulation on one machine then runs exactly like a deployment: no rank ever loads the whole
     dataset (it would hold q copies of it at once), and the launcher loads it once for all. The
@@ -58,76 +62,95 @@ def write_party_files(config: RunConfig, out: Path) -> None:
     from vfl.partition import random_blocks
 
     folder = out / "parties"
-    if not (config.resume and (folder / "manifest.json").exists()):
-        ds = job_dataset(config.dataset, config.seed, config.data_dir)
-        blocks = random_blocks(ds.n_features, config.parties, seed=config.seed)
-        split_to_party_files(ds, blocks, list(range(config.active)), folder, partition_seed=config.seed,
+    if not (plan.resume and (folder / "manifest.json").exists()):
+        ds = job_dataset(plan.dataset, plan.seed, plan.data_dir)
+        blocks = random_blocks(ds.n_features, plan.parties, seed=plan.seed)
+        split_to_party_files(ds, blocks, list(range(plan.active)), folder, partition_seed=plan.seed,
                              overwrite=True, layout="folder", column_order="auto")
     job_dataset.cache_clear()  # the launcher only waits from now on: let the data go
-    config.party_files = str(folder)
+    return str(folder)
 
 
-def convert_csv_party_files(config: RunConfig, out: Path) -> None:
+def convert_csv_party_files(plan: JobPlan, out: Path) -> str:
     """Turn a ``--party-files`` folder of ``party-<p>.csv`` files into binary party files in
-    ``<out>/party-files`` (validated already, by :func:`parties.config.validate`), and train on those."""
+    ``<out>/party-files`` (checked already, by :func:`parties.plan.resolve`); returns that folder."""
     from vfl.datasets.csv_parties import csv_parties_to_party_files
     from vfl.problems import PROBLEMS
 
-    source = Path(config.party_files)
-    parties = csv_party_folder(str(source), config.parties, config.active, PROBLEMS[config.problem].task)
+    assert plan.party_files is not None
+    source = Path(plan.party_files)
+    parties = csv_party_folder(str(source), plan.parties, plan.active, PROBLEMS[plan.problem].task)
     folder = out / "party-files"
     try:
-        csv_parties_to_party_files(parties, config.active, folder, name=source.resolve().name)
+        csv_parties_to_party_files(parties, plan.active, folder, name=source.resolve().name)
     except OSError as err:
         raise ConfigError(f"--out {out}: cannot write the converted party files ({err.strerror})") from None
     csv_party_folder.cache_clear()
-    config.party_files = str(folder)
+    return str(folder)
 
 
 def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None, echo: bool = True) -> int:
     """Validate, prepare and run a job under ``mpiexec``; returns the exit code (:data:`EXIT_CODES`).
 
     ``echo=False`` keeps the job's own output (progress, summary) off the terminal; the launcher's
-    one-line verdict on a failure is printed either way.
+    one-line verdict on a failure is printed either way. A caller that needs the plan (the party files
+    trained on, the run folder) calls :func:`prepare` and :func:`run_plan` itself.
     """
-    validate(config)
-    if echo and config.noise_multiplier:
-        print(f"vfl train: label-DP ε = {config.epsilon:g}, δ = {config.delta:g}: every batch gradient gets "
-              f"Gaussian noise of multiplier σ = {config.noise_multiplier:.3g}"
-              + (f", each party's rows clipped at the {config.clip_quantile:g}-quantile of their norms"
-                 if config.clip_quantile < 1 else ""), flush=True)
-    chosen_for_the_user = config.out is None and not config.resume
-    out = run_folder(config)
-    config.out = str(out)
-    if config.resume:
+    return run_plan(prepare(config, echo=echo), extra_env=extra_env, echo=echo)
+
+
+def prepare(options: RunConfig, *, echo: bool = True) -> JobPlan:
+    """Resolve the job plan and make its run folder: the party files, f*, the channel keys, and
+    ``<out>/config.json`` (the plan every rank reads). Raises :class:`ConfigError` before ``mpiexec``."""
+    plan = resolve(options)
+    if echo and plan.noise_multiplier:
+        print(f"vfl train: label-DP ε = {plan.epsilon:g}, δ = {plan.delta:g}: every batch gradient gets "
+              f"Gaussian noise of multiplier σ = {plan.noise_multiplier:.3g}"
+              + (f", each party's rows clipped at the {plan.clip_quantile:g}-quantile of their norms"
+                 if plan.clip_quantile < 1 else ""), flush=True)
+    chosen_for_the_user = options.out is None and not options.resume
+    out = run_folder(plan)  # named after the resolved dataset (news20-standin, not news20)
+    if options.resume:
         complete_epochs(out)  # a missing or damaged checkpoint is a usage error, found before mpiexec
-    if (config.reference and config.f_star is None and config.party_files is None
-            and config.label_privacy == "none"):
-        config.f_star = reference_f_star(config)
+    plan = dataclasses.replace(plan, out=str(out))
+    if (options.reference and options.f_star is None and options.party_files is None
+            and options.label_privacy == "none"):
+        plan = dataclasses.replace(plan, f_star=reference_f_star(plan))
     try:
         out.mkdir(parents=True, exist_ok=True)
         config_path = out / "config.json"
         config_path.write_text("{}\n")  # written whole below, once the job is prepared
     except OSError as err:
         raise ConfigError(f"--out {out}: cannot write there ({err.strerror})") from None
-    if config.party_files is None:
-        write_party_files(config, out)
-    elif is_csv_folder(config.party_files):
-        convert_csv_party_files(config, out)
-    if config.secure_channels:
-        pin_channel_keys(config)
-    config_path.write_text(config.to_json() + "\n")
+    if plan.party_files is None:
+        plan = dataclasses.replace(plan, party_files=write_party_files(plan, out))
+    elif is_csv_folder(plan.party_files):
+        plan = dataclasses.replace(plan, party_files=convert_csv_party_files(plan, out))
+    if options.secure_channels:
+        plan = pin_channel_keys(plan)
+    config_path.write_text(plan.to_json() + "\n")
+    _clear_stale(out, options.resume)
+    if chosen_for_the_user:
+        _point_latest_to(out)
+    return plan
+
+
+def _clear_stale(out: Path, resume: bool) -> None:
     stale = [*out.glob("party-*.pid"), out / "result.json"]
-    if not config.resume:  # a fresh run (--overwrite): nothing of the old one may survive
+    if not resume:  # a fresh run (--overwrite): nothing of the old one may survive
         stale += [out / MANIFEST, out / "metrics.jsonl", *out.glob("party-*.ckpt.npz"),
                   *out.glob("predictions-*.csv"), *out.glob("audit-*.npz")]
     for path in stale:
         path.unlink(missing_ok=True)
-    if chosen_for_the_user:
-        _point_latest_to(out)
-    watch = FirstDeath(out, config.parties)
+
+
+def run_plan(plan: JobPlan, *, extra_env: dict[str, str] | None = None, echo: bool = True) -> int:
+    """Run a prepared job (:func:`prepare`) under ``mpiexec``; returns the exit code (:data:`EXIT_CODES`)."""
+    assert plan.out is not None, "prepare() made the run folder"
+    out = Path(plan.out)
+    watch = FirstDeath(out, plan.parties)
     try:
-        code, output = run_mpi_module(config.parties, "parties.rank", ["--config", str(config_path)],
+        code, output = run_mpi_module(plan.parties, "parties.rank", ["--config", str(out / "config.json")],
                                       extra_env=extra_env, echo=echo)
     except KeyboardInterrupt:
         return _interrupted(out)
@@ -136,7 +159,7 @@ def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None, echo: 
     stopped = find_stop(output) if code != 0 else None
     if stopped:
         outcome, reason = stopped
-        advice = f"; {divergence_advice(config.gamma)}" if outcome == "diverged" else ""
+        advice = f"; {divergence_advice(plan.gamma)}" if outcome == "diverged" else ""
         print(f"vfl train: {reason}{advice}", file=sys.stderr)
         return EXIT_CODES[outcome]
     if code != 0 and not echo:  # the verdict below points to the ranks' own messages
@@ -146,12 +169,12 @@ def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None, echo: 
         print(f"vfl train: the job failed (exit code {code}){culprit}. Checkpoints, if any, are in "
               f"{out} (--resume continues from them).", file=sys.stderr)
         return EXIT_CODES["failed"]
-    return _outcome(config, out)
+    return _outcome(plan, out)
 
 
 RUNS, LATEST = "runs", "latest"
-def pin_channel_keys(config: RunConfig) -> None:
-    """Pin every party's public key and a fresh job id in the configuration the ranks receive.
+def pin_channel_keys(plan: JobPlan) -> JobPlan:
+    """The plan with every party's public key and a fresh job id pinned, as the ranks receive it.
 
     With ``--channel-keys`` the public keys come from that file (each organisation made its key pair
     with ``vfl keygen`` in its own folder); otherwise each party gets a fresh pair in its folder
@@ -161,24 +184,23 @@ def pin_channel_keys(config: RunConfig) -> None:
 
     from protocols.channels import generate_key_pair
 
-    config.job_id = secrets.token_hex(16)
-    if config.channel_keys is not None:
+    job_id = secrets.token_hex(16)
+    if plan.channel_keys is not None:
         try:
-            keys = json.loads(Path(config.channel_keys).read_text())
+            keys = json.loads(Path(plan.channel_keys).read_text())
             publics = [bytes.fromhex(k) for k in keys]
         except (OSError, ValueError, TypeError) as err:
-            raise ConfigError(f"--channel-keys {config.channel_keys}: not a JSON list of hex keys ({err})") \
+            raise ConfigError(f"--channel-keys {plan.channel_keys}: not a JSON list of hex keys ({err})") \
                 from None
-        if len(publics) != config.parties or any(len(k) != 32 for k in publics):
-            raise ConfigError(f"--channel-keys {config.channel_keys}: need {config.parties} keys of 32 bytes")
-        config.channel_public_keys = [k.hex() for k in publics]
-        return
-    publics = []
-    for rank in range(config.parties):
+        if len(publics) != plan.parties or any(len(k) != 32 for k in publics):
+            raise ConfigError(f"--channel-keys {plan.channel_keys}: need {plan.parties} keys of 32 bytes")
+        return dataclasses.replace(plan, job_id=job_id, channel_public_keys=tuple(k.hex() for k in publics))
+    fresh = []
+    for rank in range(plan.parties):
         private, public = generate_key_pair()
-        write_private_key(config.channel_key_path(rank), private)
-        publics.append(public.hex())
-    config.channel_public_keys = publics
+        write_private_key(plan.channel_key_path(rank), private)
+        fresh.append(public.hex())
+    return dataclasses.replace(plan, job_id=job_id, channel_public_keys=tuple(fresh))
 
 
 def write_private_key(path: Path, private: bytes) -> None:
@@ -191,7 +213,7 @@ def write_private_key(path: Path, private: bytes) -> None:
         fh.write(private)
 
 
-def run_folder(config: RunConfig) -> Path:
+def run_folder(config: RunConfig | JobPlan) -> Path:
     """The run's folder: ``--out``, or a new ``runs/<time>-<dataset>`` (``--resume``: ``runs/latest``).
 
     A folder holding another run is never reused silently: that takes ``--resume`` or ``--overwrite``.
@@ -238,7 +260,7 @@ def _interrupted(out: Path) -> int:
     return EXIT_CODES["interrupted"]
 
 
-def _outcome(config: RunConfig, out: Path) -> int:
+def _outcome(config: JobPlan, out: Path) -> int:
     """The leader's ``result.json`` as an exit code, with one line of advice where it failed."""
     try:
         result = json.loads((out / "result.json").read_text())

@@ -12,14 +12,15 @@ import hashlib
 
 import numpy as np
 
-from parties.config import RunConfig
+from parties.checkpoint import atomic_write
+from parties.plan import JobPlan
 from parties.runtime import PartyState
 from vfl.algorithms.registry import get_algorithm
 from vfl.algorithms.vfb2 import Block, SAGARule
 from vfl.problems import get_problem
 
 
-def load_party(config: RunConfig, rank: int) -> PartyState:
+def load_party(config: JobPlan, rank: int) -> PartyState:
     """This rank's PartyState: its block of the training/test features and, if active, the labels."""
     active = rank < config.active
     if config.party_files is None:
@@ -31,10 +32,7 @@ def load_party(config: RunConfig, rank: int) -> PartyState:
     X_train, X_test, y_train, y_test = data.X_train, data.X_test, data.y_train, data.y_test
     train_ids, test_ids = data.train_ids, data.test_ids
     if active and config.label_privacy == "dp":
-        from vfl.label_privacy import randomized_response
-
-        # a secret only this party draws: a seed anyone could read would let them undo the flips
-        y_train = randomized_response(y_train, config.epsilon, np.random.default_rng())
+        y_train = noisy_labels(config, rank, y_train, train_ids)
     problem = get_problem(config.problem, lam=config.lam)
     block = Block.from_matrix(X_train)
     rule_cls = get_algorithm(config.algorithm).rule
@@ -51,6 +49,37 @@ def load_party(config: RunConfig, rank: int) -> PartyState:
         test_block=Block.from_matrix(X_test) if has_test else None,
         y_test=None if y_test is None or not has_test else np.asarray(y_test, dtype=np.float64),
         ids_digest=ids_digest(train_ids, test_ids))
+
+
+def noisy_labels(config: JobPlan, rank: int, y: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``--label-privacy dp``: the randomized response of this party's training labels, drawn **once per
+    run** and kept in its own folder (``label-dp-<rank>.npz``).
+
+    ε-label-DP holds for one draw. Each further draw is another release of the same labels: a passive
+    party that saw rows before and after a ``--resume`` with a fresh draw would combine two noisy copies
+    (87.7 % correct at ε = 1 instead of 73.1 %, the 2ε level). So a fresh run draws and saves, and a
+    resumed run reads the draw back, checked against the labels' ids and ε, and refuses without it.
+    The draw is a secret only this party makes (OS entropy): a seed anyone could read would let them
+    undo the flips."""
+    from vfl.label_privacy import randomized_response
+
+    path = config.party_folder(rank) / f"label-dp-{rank}.npz"
+    digest = np.frombuffer(ids_digest(ids, np.zeros(0, dtype=np.int64)), dtype=np.uint8)
+    if not config.resume:
+        drawn = randomized_response(y, config.epsilon, np.random.default_rng())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda fh: np.savez(fh, y=drawn, epsilon=config.epsilon, ids_digest=digest))
+        return drawn
+    if not path.exists():
+        raise ValueError(f"{path} is missing: resuming would draw the randomized response again and "
+                         "release the labels twice (2ε); start the run again without --resume")
+    with np.load(path, allow_pickle=False) as z:
+        drawn, epsilon, saved = z["y"], float(z["epsilon"]), z["ids_digest"]
+    if epsilon != config.epsilon or not np.array_equal(saved, digest) or drawn.shape != y.shape \
+            or not np.isin(drawn, (-1.0, 1.0)).all():
+        raise ValueError(f"{path} is not this run's randomized response (ε {epsilon:g}, other rows or "
+                         "labels): start the run again without --resume")
+    return drawn
 
 
 def ids_digest(train_ids: np.ndarray, test_ids: np.ndarray) -> bytes:

@@ -13,12 +13,13 @@ files of ``vfl split``), so predicting needs only the run folder.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 
 from parties.checkpoint import checkpoint_path, complete_epochs, load_checkpoint
-from parties.config import RunConfig
+from parties.plan import JobPlan
 
 LEADER = 0
 
@@ -45,14 +46,12 @@ def predict(run_dir: str | Path, *, split: str = "test", output: str | Path | No
     return code
 
 
-def _run_config(run: Path) -> RunConfig:
-    """The run's configuration, with ``out`` where the run folder is now (it may have moved)."""
-    config = RunConfig.from_json((run / "config.json").read_text())
-    config.out = str(run)
-    return config
+def _run_config(run: Path) -> JobPlan:
+    """The run's plan, with ``out`` where the run folder is now (it may have moved)."""
+    return dataclasses.replace(JobPlan.from_json((run / "config.json").read_text()), out=str(run))
 
 
-def _party_rows(config: RunConfig, rank: int, split: str):
+def _party_rows(config: JobPlan, rank: int, split: str):
     """This party's feature block for the split, its sample ids, and (leader) the task."""
     from parties.loading import load_party
 

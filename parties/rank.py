@@ -13,10 +13,10 @@ import sys
 import warnings
 from pathlib import Path
 
-from parties.config import RunConfig
+from parties.plan import JobPlan
 
 
-def run_party(config: RunConfig) -> None:
+def run_party(config: JobPlan) -> None:
     """Load this rank's block and train it with the other ranks."""
     from mpi4py import MPI
 
@@ -60,9 +60,9 @@ def run_party(config: RunConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one VFB² party (run under mpiexec by `vfl train`)")
-    parser.add_argument("--config", required=True, help="config.json written by `vfl train`")
+    parser.add_argument("--config", required=True, help="config.json, the job plan written by `vfl train`")
     args = parser.parse_args(argv)
-    run_party(RunConfig.from_json(Path(args.config).read_text()))
+    run_party(JobPlan.from_json(Path(args.config).read_text()))
 
 
 if __name__ == "__main__":

@@ -23,12 +23,12 @@ import numpy as np
 from mpi4py import MPI
 
 from parties.checkpoint import complete_epochs, load_checkpoint, mark_complete, save_checkpoint
-from parties.config import EPOCH_SLACK, RunConfig
+from parties.config import RunConfig
 from parties.outcomes import Outcome
-from parties.runtime import PartyRuntime, PartyState
+from parties.plan import JobPlan, next_segment, segment_quota
+from parties.runtime import PartyRuntime, PartyState, RuntimeOptions
 from protocols.channels import ChannelKeys
 from protocols.errors import ProtocolViolation
-from vfl.algorithms.registry import get_algorithm
 
 LEADER = 0
 #: A loss above this multiple of the initial loss (or non-finite) means the run diverged.
@@ -46,25 +46,18 @@ class TrainResult:
     record: dict | None
 
 
-def train(comm: MPI.Comm, party: PartyState, config: RunConfig) -> TrainResult:
+def train(comm: MPI.Comm, party: PartyState, config: JobPlan | RunConfig) -> TrainResult:
     """Train this party's block with the other ranks of ``comm`` (collective); returns the outcome.
 
     ``party.w`` holds the trained block afterwards; checkpoints and the leader's metrics go to
-    ``config.out``.
+    ``config.out``. A plain :class:`RunConfig` (a program of one's own, with ``out`` set) is taken as
+    the plan that resolves nothing (no f*, no DP noise, no channel keys).
     """
+    if isinstance(config, RunConfig):
+        config = JobPlan.of(config)
     check_aligned(comm, party)
-    algorithm = get_algorithm(config.algorithm)
-    runtime = PartyRuntime(
-        comm, party, active_ranks=list(range(config.active)), threads=config.worker_threads,
-        seed=config.seed, mode=config.mode, dispatch=algorithm.dispatch, batch_size=config.batch_size,
-        inflight=config.inflight, piggyback=config.piggyback,
-        straggler=config.straggler, slowdown=config.slowdown, apply_delay=config.apply_delay_ms / 1e3,
-        peer_timeout=config.peer_timeout, link_delay=config.link_delay_ms / 1e3,
-        link_jitter=config.link_jitter_ms / 1e3, keys=channel_keys(config, comm.Get_rank()),
-        allow_two_parties=config.allow_two_parties,
-        audit=config.audit, label_privacy=config.label_privacy, he_scheme=config.he_scheme,
-        he_key_bits=config.he_key_bits, noise_multiplier=config.noise_multiplier,
-        clip_quantile=config.clip_quantile)
+    runtime = PartyRuntime(comm, party, RuntimeOptions.from_config(
+        config, keys=channel_keys(config, comm.Get_rank())))
     result = _Trainer(runtime, config).run()
     runtime.close()
     if config.audit:
@@ -72,7 +65,7 @@ def train(comm: MPI.Comm, party: PartyState, config: RunConfig) -> TrainResult:
     return result
 
 
-def channel_keys(config: RunConfig, rank: int) -> ChannelKeys | None:
+def channel_keys(config: JobPlan, rank: int) -> ChannelKeys | None:
     """This party's keys for sealed channels (``--secure-channels``), from its own folder."""
     if not config.secure_channels:
         return None
@@ -113,7 +106,7 @@ SNAPSHOT_SLACK = 1e-9
 class _Trainer:
     """The main thread of one rank: segments, barriers, evaluation, metrics, checkpoints."""
 
-    def __init__(self, runtime: PartyRuntime, config: RunConfig) -> None:
+    def __init__(self, runtime: PartyRuntime, config: JobPlan) -> None:
         self.rt = runtime
         self.config = config
         self.party = runtime.party
@@ -130,63 +123,22 @@ class _Trainer:
     def run(self) -> TrainResult:
         config, party = self.config, self.party
         if config.resume:
-            epochs = self.rt.broadcast_float(complete_epochs(self.out) if self.rank == LEADER else 0.0)
-            ckpt = load_checkpoint(self.folder, self.rank, party.block.n_cols, epochs)
-            party.w[:] = ckpt.w
-            self.epochs, self.train_time, self.updates = ckpt.epochs, ckpt.train_time, ckpt.updates
-            if self.rank == LEADER:
-                print(f"resuming from epoch {ckpt.epochs:g}, the newest epoch every party completed "
-                      f"({ckpt.updates} dominated updates, {ckpt.train_time:.2f} s of training so far)",
-                      flush=True)
+            self._resume()
         if self.rank == LEADER:
-            self.out.mkdir(parents=True, exist_ok=True)
-            self.log = open(self.out / "metrics.jsonl", "a" if config.resume else "w")  # noqa: SIM115
-            if config.progress:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=config.epochs, initial=self.epochs, unit="epoch",
-                                desc=f"VFB²-{config.algorithm} {config.mode} q={config.parties}")
+            self._open_outputs()
         record = self._evaluate()
         if party.rule.needs_initial_pass:
             started = time.perf_counter()
             party.rule.initialize(self.rt.full_theta(LEADER), party.w)
-            self.rt.ctrl.Barrier()  # no (ϑ, i) may reach a party before its table is built
+            self.rt.barrier()  # no (ϑ, i) may reach a party before its table is built
             self.train_time += time.perf_counter() - started
-        n = party.block.n_rows
         outcome = self._decide(record)
         next_snapshot = self.epochs  # a resumed run rebuilds its snapshot from the restored blocks
         while outcome is Outcome.CONTINUE:
-            segment = min(config.eval_every, config.epochs - self.epochs)
-            if config.gamma_decay:
-                # the step changes only at whole epochs, with every coordinate up to date (drain)
-                party.rule.set_gamma(config.gamma_at(self.epochs))
-                segment = min(segment, math.floor(self.epochs + EPOCH_SLACK) + 1 - self.epochs)
-            started = time.perf_counter()
-            if party.rule.needs_snapshot:
-                # every rank sums the same words into self.epochs, so all agree on when this happens
-                if self.epochs >= next_snapshot - SNAPSHOT_SLACK:
-                    self.rt.snapshot(LEADER)
-                    # every party holds the new ϑ₀ and μ before any dominator sends a (ϑ, i) of this
-                    # outer loop: one applied with the previous snapshot's ϑ₀ would not be an SVRG step
-                    self.rt.ctrl.Barrier()
-                    next_snapshot = self.epochs + config.snapshot_every
-                segment = min(segment, next_snapshot - self.epochs)
-            done = 0
-            if party.active:
-                quota = math.ceil(segment * n / (config.active * config.batch_size))
-                deadline = (None if config.time_limit is None
-                            else started + config.time_limit - self.train_time)
-                done = self.rt.dominate(quota, deadline)
-                self.rt.finish_segment()
-            self.rt.drain()
-            self.train_time += time.perf_counter() - started
-            done_all = self.rt.sum_word(done)
-            self.updates += done_all
-            self.epochs += (done_all * config.batch_size / n if config.time_limit is not None
-                            else segment)  # cut short?
+            next_snapshot = self._segment(next_snapshot)
             record = self._evaluate()
             save_checkpoint(self.folder, self.rank, party.w, self.epochs, self.train_time, self.updates)
-            self.rt.ctrl.Barrier()  # every party has written this epoch's block: it is complete
+            self.rt.barrier()  # every party has written this epoch's block: it is complete
             if self.rank == LEADER:
                 mark_complete(self.out, self.epochs)
             outcome = self._decide(record)
@@ -197,6 +149,60 @@ class _Trainer:
             self._summary(record, outcome)
         return TrainResult(outcome, self.epochs, self.updates, self.train_time,
                            record if self.rank == LEADER else None)
+
+    def _resume(self) -> None:
+        """Restore this party's block and counters from the newest epoch every party completed."""
+        epochs = self.rt.broadcast_float(complete_epochs(self.out) if self.rank == LEADER else 0.0)
+        ckpt = load_checkpoint(self.folder, self.rank, self.party.block.n_cols, epochs)
+        self.party.w[:] = ckpt.w
+        self.epochs, self.train_time, self.updates = ckpt.epochs, ckpt.train_time, ckpt.updates
+        if self.rank == LEADER:
+            print(f"resuming from epoch {ckpt.epochs:g}, the newest epoch every party completed "
+                  f"({ckpt.updates} dominated updates, {ckpt.train_time:.2f} s of training so far)",
+                  flush=True)
+
+    def _open_outputs(self) -> None:
+        """The leader's metrics log and progress bar."""
+        config = self.config
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.out / "metrics.jsonl", "a" if config.resume else "w")  # noqa: SIM115
+        if config.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=config.epochs, initial=self.epochs, unit="epoch",
+                            desc=f"VFB²-{config.algorithm} {config.mode} q={config.parties}")
+
+    def _segment(self, next_snapshot: float) -> float:
+        """Train one segment of the schedule (collective); returns when the next snapshot is due."""
+        config, party = self.config, self.party
+        if config.gamma_decay:
+            # the step changes only at whole epochs (next_segment cuts there), with every coordinate
+            # up to date (drain)
+            party.rule.set_gamma(config.gamma_at(self.epochs))
+        started = time.perf_counter()
+        # every rank sums the same words into self.epochs, so all agree on when a snapshot happens
+        if party.rule.needs_snapshot and self.epochs >= next_snapshot - SNAPSHOT_SLACK:
+            self.rt.snapshot(LEADER)
+            # every party holds the new ϑ₀ and μ before any dominator sends a (ϑ, i) of this outer
+            # loop: one applied with the previous snapshot's ϑ₀ would not be an SVRG step
+            self.rt.barrier()
+            next_snapshot = self.epochs + config.snapshot_every
+        # the schedule the label-DP accounting counts (parties.plan.label_dp_releases)
+        segment = next_segment(config.options, self.epochs,
+                               next_snapshot if party.rule.needs_snapshot else None)
+        n = party.block.n_rows
+        done = 0
+        if party.active:
+            deadline = None if config.time_limit is None else started + config.time_limit - self.train_time
+            done = self.rt.dominate(segment_quota(config.options, segment, n), deadline)
+            self.rt.finish_segment()
+        self.rt.drain()
+        self.train_time += time.perf_counter() - started
+        done_all = self.rt.sum_word(done)
+        self.updates += done_all
+        self.epochs += (done_all * config.batch_size / n if config.time_limit is not None
+                        else segment)  # cut short?
+        return next_snapshot
 
     # ------------------------------------------------------------------------------------ the leader
 

@@ -47,7 +47,7 @@ counters in the same order; in the runtime only roots allocate them and the othe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
@@ -220,7 +220,7 @@ class AggregationNode:
 
     def __init__(self, rank: int, size: int, tree_pairs: Sequence[TreePair], *,
                  masking: MaskingScheme | None = None, allow_leaky_q2: bool = False,
-                 max_batch: int = DEFAULT_MAX_BATCH) -> None:
+                 max_batch: int = DEFAULT_MAX_BATCH, roots: Collection[int] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if not 0 <= rank < size:
@@ -244,6 +244,12 @@ class AggregationNode:
         self.max_batch = max_batch
         self._finished = [_Finished() for _ in range(size)]
         self._requested: list[set[int]] = [set() for _ in range(size)]  # per root: REQUESTs not finished
+        #: who may root a request (the dominators: label holders), checked on every message received.
+        #: A party that could root one would read the model's score of any row it names (sign(z) = y on
+        #: 83 % of a9a) and make every party compute for it.
+        self.roots = frozenset(range(size) if roots is None else roots)
+        if not self.roots <= set(range(size)):
+            raise ValueError(f"roots {sorted(self.roots)} are not all parties of 0..{size - 1}")
 
     # ------------------------------------------------------------------------------ what a party does
 
@@ -258,6 +264,8 @@ class AggregationNode:
 
         The root then computes its own local values and calls :meth:`start` like everyone else.
         """
+        if self.rank not in self.roots:
+            raise ValueError(f"party {self.rank} is not one of the roots {sorted(self.roots)}")
         rid = self.claim_request_id(self.rank)
         payload = np.ascontiguousarray(indices, dtype=np.int64).view(np.uint64)
         outgoing = []
@@ -327,14 +335,22 @@ class AggregationNode:
             raise ProtocolViolation(source, "aggregation message", f"unknown message kind {code} in header "
                                     f"{buffer[:HEADER_WORDS]}")
         what = _KINDS[code].name
-        if root >= self.size:
-            raise ProtocolViolation(source, what, f"root {root} is not a party of 0..{self.size - 1}")
+        if root not in self.roots:
+            why = (f"is not a party of 0..{self.size - 1}" if root >= self.size else "is not a dominator: "
+                   f"only {', '.join(map(str, sorted(self.roots)))} may root an aggregation")
+            raise ProtocolViolation(source, what, f"root {root} {why}")
         payload = buffer.size - HEADER_WORDS
         if payload > self.max_batch:
             raise ProtocolViolation(source, what, f"{payload} values exceed the limit of {self.max_batch}")
-        finished = self._finished[root]
         if code == _REQUEST:
             return self._on_request(source, root, rid, aux, buffer, n_rows)
+        return self._on_tree_sum(source, code, root, rid, buffer, what, payload)
+
+    def _on_tree_sum(self, source: int, code: int, root: int, rid: int, buffer: Words, what: str,
+                     payload: int) -> Step:
+        """A child's partial sum for tree ``code - _MASKED``, its header already checked by :meth:`receive`:
+        here the checks that need this request's state, then the sum is added or kept until ``start``."""
+        finished = self._finished[root]
         if source == root:
             raise ProtocolViolation(source, what, f"the root of request ({root}, {rid}) has no parent to "
                                     f"send a tree sum to")

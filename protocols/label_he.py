@@ -42,7 +42,9 @@ failure raises :class:`~protocols.errors.ProtocolViolation` naming the sender.
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 
 import numpy as np
 
@@ -74,11 +76,30 @@ _WHAT_CT = "encrypted batch"
 _WHAT_KEY = "public key"
 
 
+@functools.cache
 def _heu():
     from heu import numpy as hnp
     from heu import phe
 
+    _start_thread_pool_quietly(hnp, phe)
     return hnp, phe
+
+
+def _start_thread_pool_quietly(hnp, phe) -> None:
+    """HEU's C++ core logs "[info] ... Create a fixed thread pool" to standard output when its first
+    parallel operation starts the pool, once per process: that line would land in every HE run's output
+    (the launcher echoes each rank's). So the pool is started here, by encoding two integers (no key
+    needed), with file descriptor 1 pointed at /dev/null for that one call. Called once, when the
+    library is first used, before the rank's threads exchange anything."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+            hnp.array([0, 0], phe.IntegerEncoder(phe.SchemaType.OU, 1))
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _schema(name: str):

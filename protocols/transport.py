@@ -12,7 +12,7 @@ ranks and knows nothing of their meaning:
 
 :class:`MpiTransport` is the one MPI message layer of every party-to-party path: the secure
 aggregation's full passes (:class:`~protocols.secure_aggregation.SecureAggregator`) and the VFB²
-runtime's data plane (``parties/runtime.py``) both use it. It multiplexes tags: ``send(dest, buffer,
+runtime's data plane (``parties/data_plane.py``) both use it. It multiplexes tags: ``send(dest, buffer,
 tag)`` from any thread (a lock keeps sends, and sealed links' counters, in one order), ``recv()`` for
 its own ``tag`` and ``recv_any()`` for every tag, which the runtime's one communication thread uses to
 serve all its message kinds. With ``channels`` (:class:`~protocols.channels.SecureChannels`) every
@@ -23,7 +23,7 @@ The receiver waits in one blocking ``Recv(ANY_SOURCE, tag)`` (or ``ANY_TAG``) in
 buffer of fixed capacity (64 KiB by default) and copies the message out. It never probes: with more ranks than
 cores, a thread waiting in ``Probe``/``Mprobe`` and then receiving measured 1-8 ms per round trip here, a
 plain blocking ``Recv`` tens of µs (the VFB² runtime's communication thread receives the same way,
-``parties/runtime.py``). A message longer than the capacity goes as two: a 4-byte
+``parties/data_plane.py``). A message longer than the capacity goes as two: a 4-byte
 *frame* holding its length in words, on ``tag``, then the words themselves on ``tag + 1``, which the
 receiver takes with an exact-size blocking ``Recv`` from the frame's source. Every ordinary message is a
 whole number of 8-byte words, so a 4-byte message can only be a frame, and MPI keeps the messages from one

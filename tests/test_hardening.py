@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from parties.data_plane import DataPlane
 from parties.runtime import TAG_ACK, TAG_DONE, TAG_STOP, TAG_THETA, TAG_THETA_REQUEST, check_envelope
 from protocols.aggregation import HEADER_WORDS, MAX_OPEN_PER_ROOT, AggregationNode, Kind
 from protocols.dispatch import DispatchError, Inbox, pack, piggyback, split_piggyback
@@ -142,7 +143,7 @@ def test_done_counts_are_non_negative_non_decreasing_and_at_most_what_arrived() 
     (2, TAG_THETA, 32, "(ϑ, i) message: party 2 may not send it"),  # a passive party
     (0, TAG_THETA, 32, "(ϑ, i) message: party 0 may not send it"),  # itself
     (2, TAG_DONE, 8, "DONE message: party 2 may not send it"),
-    (1, TAG_STOP, 8, "STOP message: party 1 may not send it"),  # stops only come from the party itself
+    (1, TAG_STOP, 16, "STOP message: 2 words, expected 1"),
     (1, TAG_ACK, 8, "ACK message: party 1 may not send it"),  # not in synchronous mode
     (1, TAG_DONE, 16, "DONE message: 2 words, expected 1"),
     (1, TAG_THETA, 12, "(ϑ, i) message: 12 bytes is not a whole"),
@@ -155,7 +156,8 @@ def test_the_runtime_envelope_check(source: int, tag: int, nbytes: int, detail: 
 
 
 def test_the_runtime_envelope_check_lets_the_protocol_through() -> None:
-    allowed = ((1, TAG_THETA, 32), (1, TAG_DONE, 8), (0, TAG_STOP, 8), (2, AGGREGATION_TAG, 40))
+    allowed = ((1, TAG_THETA, 32), (1, TAG_DONE, 8), (0, TAG_STOP, 8), (2, TAG_STOP, 8),
+               (2, AGGREGATION_TAG, 40))
     for source, tag, nbytes in allowed:
         check_envelope(source, tag, nbytes, rank=0, active_ranks=[0, 1], synchronous=False)
     check_envelope(2, TAG_ACK, 8, rank=0, active_ranks=[0, 1], synchronous=True)
@@ -164,6 +166,16 @@ def test_the_runtime_envelope_check_lets_the_protocol_through() -> None:
         with pytest.raises(ProtocolViolation, match="party 1 may not send it"):
             check_envelope(1, TAG_THETA_REQUEST, 80, rank=0, active_ranks=[0, 1], synchronous=synchronous,
                            he=he)
+
+
+def test_a_second_stop_from_one_party_is_refused() -> None:
+    """Every party's last data-plane message is one STOP to every party; the communication thread ends
+    when it has one from each, so a repeated one (which would end it early) is a violation."""
+    plane = DataPlane.__new__(DataPlane)  # only the STOP bookkeeping, no communicator
+    plane._stopped = np.zeros(3, dtype=np.int64)
+    assert not plane._on_stop(0) and not plane._on_stop(2)
+    with pytest.raises(ProtocolViolation, match=r"^party 2 sent an invalid STOP message: a second one"):
+        plane._on_stop(2)
 
 
 def test_a_piggybacked_message_splits_back_into_its_two_parts() -> None:
@@ -229,6 +241,21 @@ def test_bad_aggregation_headers_are_rejected_naming_the_sender(buf, what: str, 
     with pytest.raises(ProtocolViolation, match=violation(1, what) + ".*" + re.escape(detail)):
         node.receive(1, buf, n_rows=N_ROWS)
     assert node.open_requests == 0
+
+
+@pytest.mark.parametrize("kind", [Kind.REQUEST, Kind.MASKED, Kind.MASKS])
+def test_only_a_dominator_roots_an_aggregation(kind: int) -> None:
+    """A passive party that roots a request would read the model's score of every row it names (and make
+    every party compute for it): whatever it sends for a root that is not a dominator is refused."""
+    child, parent = _child_and_parent(root=1)
+    node = AggregationNode(parent, Q, PAIRS, roots=[0])
+    sender = 1 if kind == Kind.REQUEST else child
+    with pytest.raises(ProtocolViolation, match=violation(sender, kind.name) + ".*root 1 is not a "
+                       "dominator: only 0 may root an aggregation"):
+        node.receive(sender, _words(kind, 1, 0), n_rows=N_ROWS)
+    AggregationNode(parent, Q, PAIRS, roots=[1]).receive(sender, _words(kind, 1, 0), n_rows=N_ROWS)
+    with pytest.raises(ValueError, match="is not one of the roots"):
+        AggregationNode(1, Q, PAIRS, roots=[0]).announce(np.array([3]))
 
 
 def test_duplicate_requests_and_contributions_are_rejected_even_after_the_request_finished() -> None:

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
 
 from experiments.label_attacks import Transcript, attack_all
-from parties.config import ConfigError, RunConfig, check_he_batch, check_he_features, validate
+from parties.config import ConfigError, RunConfig
+from parties.plan import check_he_batch, check_he_features, resolve
 from parties.runtime import (
     AUDIT_FULL_THETA,
     AUDIT_HE_FULL_GRADIENT,
@@ -145,14 +149,14 @@ def test_he_messages_pass_the_envelope_only_in_he_mode_and_in_their_direction():
 def test_he_mode_refuses_what_would_reveal_theta():
     base = dict(dataset="breast-cancer", parties=3, active=1, algorithm="sgd", label_privacy="he",
                 batch_size=16)
-    validate(RunConfig(**base))  # breast-cancer: 30 features, widest block of 3 parties 10 columns
-    validate(RunConfig(**{**base, "algorithm": "svrg"}))
+    resolve(RunConfig(**base))  # breast-cancer: 30 features, widest block of 3 parties 10 columns
+    resolve(RunConfig(**{**base, "algorithm": "svrg"}))
     for bad, message in ((dict(batch_size=1), "at least 16"), (dict(batch_size=8), "at least 16"),
                          (dict(algorithm="saga"), "sgd or svrg"),
                          (dict(algorithm="saga-scalar"), "sgd or svrg"),
                          (dict(updates="lazy"), "eager"), (dict(he_key_bits=1024), "he-key-bits")):
         with pytest.raises(ConfigError, match=message):
-            validate(RunConfig(**{**base, **bad}))
+            resolve(RunConfig(**{**base, **bad}))
     # a passive block of 40 columns: B = 40 would leave 40 equations for 40 unknowns
     with pytest.raises(ConfigError, match=r"at least 41 here.*40 columns"):
         check_he_batch(RunConfig(**{**base, "batch_size": 40}), 40, 1000)
@@ -379,3 +383,13 @@ def test_with_epsilon_a_passive_party_gets_its_batch_gradient_only_under_calibra
         for start in range(0, len(rows) - 6, 7):  # a pass: 7 batches of 64 of the 455 rows
             chunk = np.concatenate(rows[start:start + 7])
             assert np.unique(chunk).size == chunk.size
+
+
+def test_the_encryption_library_does_not_write_into_a_runs_output():
+    """HEU logs "Create a fixed thread pool" on standard output when its pool starts; a run's output
+    (each rank's, echoed by the launcher) must not carry it, while our own prints still get through."""
+    code = ("import numpy as np; from protocols import label_he; "
+            "key = label_he.LabelKey('ou', 2048); key.encrypt(np.array([0.5, -0.25, 1.0])); print('ours')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.stdout == "ours\n" and "thread pool" not in proc.stderr

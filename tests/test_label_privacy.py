@@ -8,8 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from experiments.label_attacks import attack_all
+from experiments.label_attacks import Transcript, attack_all, full_theta
 from parties.config import ConfigError, RunConfig, validate
+from parties.loading import noisy_labels
+from parties.plan import JobPlan, label_dp_releases, resolve
 from tests.test_runtime import train
 from vfl.datasets import load
 from vfl.label_privacy import (
@@ -61,6 +63,43 @@ def test_a_passive_party_learns_no_more_than_randomized_response_allows(tmp_path
             assert found["accuracy"] < bound + 4 * math.sqrt(bound * (1 - bound) / y.size), attack
 
 
+@pytest.mark.mpi
+def test_a_resumed_run_releases_the_same_noisy_labels_not_a_second_draw(tmp_path):
+    """The curious passive party reads every row's noisy label from the SVRG snapshot's full ϑ (for the
+    logistic loss, sign ϑ_i = −ỹ_i whatever the model). Across a --resume it must read the same labels:
+    a second draw would give it two noisy copies of each (the 2ε level; 61 % of rows agree at ε = 1)."""
+    common = ("-n", "3", "-m", "1", "--algorithm", "svrg", "--audit", "--dataset", "breast-cancer",
+              "--lam", "0.01", "--label-privacy", "dp", "--epsilon", "1")
+    train(tmp_path, *common, "--epochs", "1")
+    (tmp_path / "audit-1.npz").rename(tmp_path / "before-resume.npz")
+    train(tmp_path, *common, "--epochs", "2", "--resume")
+    n = load("breast-cancer", seed=0).n_train
+    before = np.sign(full_theta(Transcript.load(tmp_path / "before-resume.npz"), n))
+    after = np.sign(full_theta(Transcript.load(tmp_path / "audit-1.npz"), n))
+    assert np.isin(before, (-1, 1)).all() and np.isin(after, (-1, 1)).all()
+    assert np.mean(before == after) == 1.0
+
+
+def test_the_randomized_response_is_drawn_once_and_kept_in_the_partys_folder(tmp_path):
+    y = np.where(np.arange(400) % 3 == 0, 1.0, -1.0)
+    ids = np.arange(400, dtype=np.int64)
+    fresh = JobPlan.of(RunConfig(dataset="breast-cancer", label_privacy="dp", epsilon=1.0, out=str(tmp_path)))
+    resumed = JobPlan.of(RunConfig(dataset="breast-cancer", label_privacy="dp", epsilon=1.0,
+                                   out=str(tmp_path), resume=True))
+    drawn = noisy_labels(fresh, 0, y, ids)
+    assert 0.15 < np.mean(drawn != y) < 0.4  # flipped at 1 / (1 + e): it is a draw
+    assert np.array_equal(noisy_labels(resumed, 0, y, ids), drawn)
+    other_eps = JobPlan.of(RunConfig(dataset="breast-cancer", label_privacy="dp", epsilon=2.0,
+                                     out=str(tmp_path), resume=True))
+    with pytest.raises(ValueError, match="not this run's randomized response"):
+        noisy_labels(other_eps, 0, y, ids)
+    with pytest.raises(ValueError, match="not this run's randomized response"):
+        noisy_labels(resumed, 0, y, ids[::-1].copy())
+    (tmp_path / "label-dp-0.npz").unlink()
+    with pytest.raises(ValueError, match="missing: resuming would draw"):
+        noisy_labels(resumed, 0, y, ids)
+
+
 # ------------------------------------------- --label-privacy he --epsilon: Gaussian noise on gradients
 
 
@@ -98,28 +137,27 @@ def test_each_row_is_in_at_most_the_accounted_number_of_batches():
                 done += segment
         rows = np.concatenate([b.ravel() for b in first_pass])
         assert np.unique(rows).size == rows.size  # one pass: every row at most once, over all dominators
-        assert 0 < counts.max() <= config.label_dp_releases(n)
+        assert 0 < counts.max() <= label_dp_releases(config, n)
 
 
 def test_noisy_he_refuses_what_the_accounting_does_not_cover():
     base = dict(dataset="breast-cancer", parties=3, active=1, algorithm="sgd", label_privacy="he",
                 batch_size=64, epsilon=1.0, epochs=2.0)
-    config = validate(RunConfig(**base))
-    assert config.noise_multiplier == pytest.approx(
-        gaussian_noise_multiplier(1.0, 1e-5, config.label_dp_releases(455)))
+    plan = resolve(RunConfig(**base))
+    assert plan.noise_multiplier == pytest.approx(
+        gaussian_noise_multiplier(1.0, 1e-5, label_dp_releases(plan.options, 455)))
     for bad, message in ((dict(algorithm="svrg"), "runs --algorithm sgd"),
                          (dict(target_suboptimality=1e-3), "budget only"),
                          (dict(resume=True), "cannot --resume"), (dict(delta=0.0), "--delta"),
                          (dict(epsilon=-1.0), "positive"),
                          (dict(batch_size=256, active=2, parties=4), "a batch per dominator")):
         with pytest.raises(ConfigError, match=message):
-            validate(RunConfig(**{**base, **bad}))
+            resolve(RunConfig(**{**base, **bad}))
     with pytest.raises(ConfigError, match="--epsilon needs --label-privacy dp or he"):
         validate(RunConfig(dataset="breast-cancer", parties=3, epsilon=1.0))
-    with pytest.raises(ConfigError, match="no accounting"):  # a σ without the ε it was derived for
-        validate(RunConfig(**{**base, "epsilon": None, "noise_multiplier": 0.5}))
-    stale = RunConfig(**{**base, "noise_multiplier": 0.01})  # a config.json edited after validation
-    assert validate(stale).noise_multiplier == config.noise_multiplier
+    with pytest.raises(TypeError):  # σ is derived in the plan: no option can set it, not even a stale one
+        RunConfig(**{**base, "noise_multiplier": 0.5})
+    assert resolve(RunConfig(**{**base, "epsilon": None})).noise_multiplier is None
     for bad, message in ((dict(clip_quantile=0.0), r"\(0, 1\]"), (dict(clip_quantile=1.5), r"\(0, 1\]"),
                          (dict(clip_quantile=0.9, epsilon=None), "only bias the steps")):
         with pytest.raises(ConfigError, match=message):

@@ -25,7 +25,7 @@ import scipy.sparse as sp
 from vfl import kernels
 from vfl.algorithms.serial import run_serial
 from vfl.algorithms.vfb2 import Block, get_rule, saga_table_bytes
-from vfl.problems import REG_L2, REG_NONCONVEX, get_problem
+from vfl.problems import REG_L2, REG_NONCONVEX, REGULARIZERS, get_problem
 
 REGS = ["l2", "nonconvex", "none"]
 LAZY_RULES = ["sgd", "svrg", "saga-scalar"]
@@ -34,13 +34,13 @@ LAZY_RULES = ["sgd", "svrg", "saga-scalar"]
 # ------------------------------------------------------------------ copies of the pre-batch formulas
 
 
+#: The numpy regularisers of ``vfl.problems`` by kernel code: the definition the kernels' inlined
+#: ``_reg_grad`` must reproduce, used here as the reference instead of a copy of it.
+_REGULARIZER_BY_CODE = {cls().kernel_code: cls() for cls in REGULARIZERS.values()}
+
+
 def _old_reg_grad(kind, wj):
-    if kind == REG_L2:
-        return wj
-    if kind == REG_NONCONVEX:
-        t = 1.0 + wj * wj
-        return wj / (t * t)
-    return 0.0
+    return float(_REGULARIZER_BY_CODE[kind].gradient(np.array([wj]))[0])
 
 
 def _old_sgd(indptr, indices, data, w, rows, thetas, gamma, lam, reg):

@@ -252,3 +252,29 @@ def test_hfl_isca_replot_names_a_method_once_where_it_diverged_in_both_splits(tm
     legend = [t.get_text() for t in saved_figures[1].legends[0].get_texts()]
     assert legend == ["ISCAM 2-bit", "SCALLION 2-bit",
                       "FedCOMGATE 2-bit (diverged IID at round 112; non-IID at round 80)"]
+
+
+def test_vfl_plot_draws_a_horizontal_run_against_rounds(tmp_path, capsys):
+    """``python -m parties.hfl`` records rounds, not training time: the plot takes rounds by default
+    (it used to stop with numpy's "number sections must be larger than 0")."""
+    hfl = [{"round": r, "round_seconds": 0.1, "uplink_bits": 1e6 * r, "train_loss": 2.3 / r,
+            "test_accuracy": 0.1 + 0.1 * r, "algorithm": "fedavg"} for r in range(1, 5)]
+    run = make_run(tmp_path / "hfl", hfl)
+    assert main(["plot", str(run)]) == 0
+    fig = figure([("hfl", hfl)], "round")
+    assert [ax.get_ylabel() for ax in fig.axes] == ["training loss", "test accuracy (%)"]
+    assert all(ax.get_xlabel() == "rounds" for ax in fig.axes)
+    assert main(["plot", str(run), "--x", "epoch"]) == 2
+    assert "no loss, sub-optimality or test metric recorded with 'epoch'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["plot", "split"])
+def test_an_out_that_cannot_be_written_is_one_line_not_a_traceback(tmp_path, capsys, command):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder\n")
+    run = make_run(tmp_path / "run", records(3, 1.0))
+    argv = ([command, str(run), "--out", str(blocker / "metrics.png")] if command == "plot"
+            else [command, "breast-cancer", "-n", "2", "--out", str(blocker / "parties")])
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"vfl {command}: error: ") and "Not a directory" in err and "\n" not in err

@@ -12,6 +12,7 @@ import pytest
 
 from parties.config import ConfigError, RunConfig, build_parser, from_args
 from parties.launch import run_folder
+from parties.plan import JobPlan
 from tests.conftest import REPO_ROOT
 from vfl.algorithms.registry import ALGORITHMS
 
@@ -76,7 +77,7 @@ def test_with_a_named_dataset_each_rank_reads_only_its_own_block(tmp_path):
         assert mine.has_labels == (rank == 0)
         # what the rank itself builds from its file (parties.loading, the rank's own code path): its
         # columns only, its labels only if active; and the block it trained and saved is that wide
-        party = load_party(RunConfig.from_json((tmp_path / "config.json").read_text()), rank)
+        party = load_party(JobPlan.from_json((tmp_path / "config.json").read_text()), rank)
         assert party.block.n_cols == party.w.size == len(cols)
         assert (party.y is not None) == (rank == 0)
         held = sp.csr_matrix((party.block.data, party.block.indices, party.block.indptr),

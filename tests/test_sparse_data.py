@@ -78,9 +78,10 @@ def test_synth_is_labelled_a_stand_in_everywhere(tmp_path: Path, capsys) -> None
         warnings.simplefilter("always")
         assert resolve_name("news20", tmp_path) == "news20-standin"
         assert load("d3", data_dir=tmp_path).name == "news20-standin"
-        from parties.config import RunConfig, job_dataset, validate
+        from parties.config import RunConfig
+        from parties.plan import job_dataset, resolve
 
-        config = validate(RunConfig(parties=3, active=1, dataset="news20", data_dir=str(tmp_path)))
+        config = resolve(RunConfig(parties=3, active=1, dataset="news20", data_dir=str(tmp_path)))
         job_dataset.cache_clear()
     assert config.dataset == "news20-standin"  # what config.json, the summary and result.json show
     assert any("synthetic stand-in" in str(w.message) for w in caught)

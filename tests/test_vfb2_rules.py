@@ -25,6 +25,11 @@ def blocks():
     return np.array_split(np.random.default_rng(0).permutation(30), 3)
 
 
+def _rule(name, X, problem, gamma, **options):
+    """Rule ``name`` for one party holding all of ``X``, with ``problem``'s regulariser."""
+    return get_rule(name)(Block.from_matrix(X), problem.regularizer, problem.lam, gamma=gamma, **options)
+
+
 @pytest.mark.parametrize("lazy", [True, False])
 @pytest.mark.parametrize("problem_name", ["logistic", "nonconvex-logistic", "least-squares"])
 @pytest.mark.parametrize("sparse", [False, True])
@@ -41,7 +46,7 @@ def test_sgd_step_is_minus_gamma_block_gradient(problem_name, sparse, lazy, canc
     problem = get_problem(problem_name, lam=0.3)
     rng = np.random.default_rng(1)
     w = rng.normal(size=10)
-    rule = get_rule("sgd")(Block.from_matrix(Xb), problem.regularizer, problem.lam, gamma=0.1, lazy=lazy)
+    rule = _rule("sgd", Xb, problem, 0.1, lazy=lazy)
     i, theta = 7, 0.42
     expected = w - 0.1 * problem.block_gradient(np.array([theta]), Xb[[i]], w)
     rule.apply(w, np.array([i]), np.array([theta]))
@@ -58,7 +63,7 @@ def test_svrg_step_matches_listing(cancer):
     theta0 = rng.normal(size=n)
     w_s = rng.normal(size=d)
     w = w_s + 0.1 * rng.normal(size=d)
-    rule = get_rule("svrg")(Block.from_matrix(X), problem.regularizer, problem.lam, gamma=0.01)
+    rule = _rule("svrg", X, problem, 0.01)
     rule.snapshot(theta0)
     full_grad_s = X.T @ theta0 / n + problem.lam * problem.regularizer.gradient(w_s)
     i, theta1 = 11, -0.3
@@ -77,7 +82,7 @@ def test_saga_exact_table_update(cancer):
     rng = np.random.default_rng(3)
     n, d = X.shape
     w = rng.normal(size=d)
-    rule = get_rule("saga")(Block.from_matrix(X), problem.regularizer, problem.lam, gamma=0.05)
+    rule = _rule("saga", X, problem, 0.05)
     rule.initialize(rng.normal(size=n), w)
     table_before = rule.table.copy()
     i, theta = 5, 0.8

@@ -277,8 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", metavar="RUN",
                    help="--out folders of `vfl train` runs (e.g. runs/latest)")
     p.add_argument("--out", default=None, help="PNG file (default: <first run>/metrics.png)")
-    p.add_argument("--x", choices=("time", "epoch"), default="time",
-                   help="x axis: training time in seconds, or epochs")
+    p.add_argument("--x", choices=("time", "epoch", "round"), default=None,
+                   help="x axis: training time in seconds, epochs, or rounds (horizontal runs); "
+                        "default: time where the runs record it, else rounds")
     p.set_defaults(func=_cmd_plot)
 
     for name, about in (("hfl-train", "horizontal FL: a server rank and client ranks (starts mpiexec)"),
@@ -295,8 +296,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:  # ConfigError, DatasetNotFoundError too
+    except ValueError as err:  # ConfigError, DatasetNotFoundError, PlotError too
         print(f"vfl {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # an --out that cannot be written, a file that is not there: the user's to fix
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"vfl {args.command}: error: {where}{err.strerror or err}", file=sys.stderr)
         return 2
 
 

@@ -92,7 +92,7 @@ class _VerticalEstimator(BaseEstimator):
 
     def _train(self, folder: Path, run: Path) -> None:
         from parties.config import RunConfig
-        from parties.launch import launch
+        from parties.launch import prepare, run_plan
         from parties.outcomes import EXIT_CODES
         from vfl.datasets import load_party_file
         from vfl.datasets.party_files import find_party_file
@@ -101,11 +101,12 @@ class _VerticalEstimator(BaseEstimator):
                            problem=self._problem, lam=self.lam, algorithm=self.algorithm, gamma=self.gamma,
                            epochs=self.epochs, threads=self.threads, eval_every=self.eval_every,
                            seed=self.seed, out=str(run), overwrite=True, progress=self.verbose)
-        code = launch(config, echo=self.verbose)
+        plan = prepare(config, echo=self.verbose)
+        code = run_plan(plan, echo=self.verbose)
         if code != EXIT_CODES["ok"]:
             reason = next((k for k, v in EXIT_CODES.items() if v == code), "failed")
             raise RuntimeError(f"VFB² training {reason} (exit code {code}); the message above says why")
-        folder = Path(config.party_files)  # the files trained on (a CSV folder's converted copy)
+        folder = Path(plan.party_files)  # the files trained on (a CSV folder's converted copy)
         blocks, columns = [], []
         for p in range(self.parties):
             with np.load(run / f"party-{p}.ckpt.npz") as z:

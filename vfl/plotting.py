@@ -20,9 +20,11 @@ from typing import Any
 #: the fields ``metrics.csv`` starts with, in this order; any others follow, sorted
 COLUMNS = ("epoch", "time", "updates", "loss", "suboptimality", "test_accuracy", "test_rmse")
 #: y-axis panels: (field, label, log scale)
-PANELS = (("loss", "training loss f(w)", False), ("suboptimality", "sub-optimality f(w) − f*", True),
+#: (``train_loss`` is a horizontal run's: ``python -m parties.hfl`` writes rounds, not epochs)
+PANELS = (("loss", "training loss f(w)", False), ("train_loss", "training loss", False),
+          ("suboptimality", "sub-optimality f(w) − f*", True),
           ("test_accuracy", "test accuracy (%)", False), ("test_rmse", "test RMSE", False))
-X_LABELS = {"time": "training time (s)", "epoch": "epochs"}
+X_LABELS = {"time": "training time (s)", "epoch": "epochs", "round": "rounds"}
 PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
            "tab:gray", "tab:olive", "tab:cyan")
 
@@ -84,14 +86,16 @@ def run_label(run: str | Path) -> str:
     return f"{name} ({'/'.join(parts)})" if parts else name
 
 
-def plot_runs(runs: Sequence[str | Path], out: str | Path | None = None, x: str = "time") -> Path:
+def plot_runs(runs: Sequence[str | Path], out: str | Path | None = None, x: str | None = None) -> Path:
     """Draw the runs' metrics into one PNG (default ``<first run>/metrics.png``) and write each run's
-    ``metrics.csv``; return the PNG's path. ``x`` is ``"time"`` (training seconds) or ``"epoch"``."""
-    if x not in X_LABELS:
+    ``metrics.csv``; return the PNG's path. ``x`` is ``"time"`` (training seconds), ``"epoch"`` or
+    ``"round"`` (horizontal runs); ``None`` takes time where the runs record it, else rounds."""
+    if x is not None and x not in X_LABELS:
         raise PlotError(f"--x must be one of {', '.join(X_LABELS)} (got {x!r})")
     if not runs:
         raise PlotError("no run given")
     data = [(run_label(run), read_metrics(run)) for run in runs]   # every error before any output
+    x = x or default_x(data)
     for run in runs:
         write_metrics_csv(run)
     first = Path(runs[0])
@@ -104,6 +108,14 @@ def plot_runs(runs: Sequence[str | Path], out: str | Path | None = None, x: str 
     return out
 
 
+def default_x(data: Sequence[tuple[str, list[dict[str, Any]]]]) -> str:
+    """Training time when any run records it (``vfl train``), else rounds (``python -m parties.hfl``)."""
+    for field in ("time", "round"):
+        if any(_finite(r.get(field)) for _, records in data for r in records):
+            return field
+    raise PlotError("the runs' metrics.jsonl record neither training time nor rounds to plot against")
+
+
 def figure(data: Sequence[tuple[str, list[dict[str, Any]]]], x: str = "time") -> Any:
     """The Figure of :func:`plot_runs`: one panel per metric present in any run, one legend."""
     import matplotlib
@@ -111,9 +123,11 @@ def figure(data: Sequence[tuple[str, list[dict[str, Any]]]], x: str = "time") ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [p for p in PANELS if any(_finite(r.get(p[0])) for _, recs in data for r in recs)]
+    panels = [p for p in PANELS
+              if any(_finite(r.get(p[0])) and _finite(r.get(x)) for _, recs in data for r in recs)]
     if not panels:
-        raise PlotError("no loss, sub-optimality or test metric in the runs' metrics.jsonl")
+        raise PlotError(f"no loss, sub-optimality or test metric recorded with '{x}' in the runs' "
+                        f"metrics.jsonl (choose --x among {', '.join(X_LABELS)})")
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.9), squeeze=False,
                              layout="constrained")
     for i, (label, records) in enumerate(data):

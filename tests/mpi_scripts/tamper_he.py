@@ -16,31 +16,22 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from parties.runtime import PartyRuntime, PartyState
-from vfl.algorithms.vfb2 import Block, get_rule
-from vfl.problems import get_problem
+from parties.runtime import PartyRuntime, RuntimeOptions
+from tests.mpi_scripts.small_party import small_party
 
-N_ROWS, WIDTH, BATCH = 40, 3, 16
+BATCH = 16
 
 
 def main() -> None:
     scenario = sys.argv[1]
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    rng = np.random.default_rng(rank)
-    block = Block.from_matrix(rng.normal(size=(N_ROWS, WIDTH)))
-    problem = get_problem("logistic", lam=0.1)
-    active = rank == 0
     full = scenario.startswith("full")
-    rule = get_rule("svrg" if full else "sgd")(block, problem.regularizer, problem.lam, 0.05, writers=2,
-                                               lazy=False, batch_size=BATCH)
-    party = PartyState(rank=rank, block=block, w=np.zeros(WIDTH), rule=rule,
-                       problem=problem if active else None,
-                       y=rng.choice([-1.0, 1.0], N_ROWS) if active else None)
-    runtime = PartyRuntime(comm, party, active_ranks=[0], threads=1, seed=0, batch_size=BATCH,
-                           label_privacy="he")
+    party = small_party(rank, active=rank == 0, rule="svrg" if full else "sgd", lazy=False, batch_size=BATCH)
+    runtime = PartyRuntime(comm, party, RuntimeOptions(active_ranks=(0,), threads=1, seed=0, batch_size=BATCH,
+                                                       label_privacy="he"))
     if rank == 1:
-        gradients = runtime._he_gradients[0]
+        gradients = runtime.label.gradients[0]
         honest, calls = gradients.masked, []
 
         def forged(payload: bytes, rows: np.ndarray) -> bytes:
@@ -53,7 +44,7 @@ def main() -> None:
 
         gradients.masked = forged
         if scenario == "full-huge":
-            runtime._send_framed = lambda words, dest, tag: runtime.ctrl.Send(
+            runtime.control.send_framed = lambda tag, dest, words: runtime.control.comm.Send(
                 np.array([1 << 40], dtype=np.uint64), dest, tag)
     if full:
         runtime.snapshot(0)

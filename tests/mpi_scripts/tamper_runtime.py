@@ -16,13 +16,10 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from parties.runtime import TAG_THETA, PartyRuntime, PartyState
+from parties.runtime import TAG_THETA, PartyRuntime, RuntimeOptions
 from protocols.dispatch import pack
+from tests.mpi_scripts.small_party import N_ROWS, small_party
 from tests.mpi_scripts.verdict import await_verdict
-from vfl.algorithms.vfb2 import Block, get_rule
-from vfl.problems import get_problem
-
-N_ROWS, WIDTH = 40, 3
 
 
 class _WritesMarker:
@@ -39,15 +36,8 @@ def main() -> None:
     scenario = sys.argv[1]
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    rng = np.random.default_rng(rank)
-    block = Block.from_matrix(rng.normal(size=(N_ROWS, WIDTH)))
-    problem = get_problem("logistic", lam=0.1)
-    active = rank < 2
-    party = PartyState(rank=rank, block=block, w=np.zeros(WIDTH),
-                       rule=get_rule("sgd")(block, problem.regularizer, problem.lam, 0.05, writers=2),
-                       problem=problem if active else None,
-                       y=rng.choice([-1.0, 1.0], N_ROWS) if active else None)
-    runtime = PartyRuntime(comm, party, active_ranks=[0, 1], threads=1, seed=0)
+    party = small_party(rank, active=rank < 2)
+    runtime = PartyRuntime(comm, party, RuntimeOptions(active_ranks=(0, 1), threads=1, seed=0))
     if rank == 0:
         runtime.dominate(10)  # honest traffic first: the bad message is not the first one
     comm.Barrier()
@@ -58,7 +48,7 @@ def main() -> None:
             bad = pack(0, np.array([3]), np.array([0.5]))[:-1].copy()
         else:
             bad = np.frombuffer(pickle.dumps(_WritesMarker(sys.argv[2])), dtype=np.uint8).copy()
-        runtime.data.Send([bad, MPI.BYTE], 0, TAG_THETA)
+        runtime.plane.data.Send([bad, MPI.BYTE], 0, TAG_THETA)
     if rank == 0:  # a correct party 0 ends the job on the message; a broken one applies it
         await_verdict(runtime, source=1, accepted_after=1)
     runtime.close()  # the others wait here (a collective) for party 0: its verdict, or the job's end

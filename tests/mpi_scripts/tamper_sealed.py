@@ -10,14 +10,11 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from parties.runtime import TAG_THETA, PartyRuntime, PartyState
+from parties.runtime import TAG_THETA, PartyRuntime, RuntimeOptions
 from protocols.channels import ChannelKeys, public_key
 from protocols.dispatch import pack
+from tests.mpi_scripts.small_party import small_party
 from tests.mpi_scripts.verdict import await_verdict
-from vfl.algorithms.vfb2 import Block, get_rule
-from vfl.problems import get_problem
-
-N_ROWS, WIDTH = 40, 3
 
 
 def main() -> None:
@@ -26,26 +23,19 @@ def main() -> None:
     rank = comm.Get_rank()
     privates = [hashlib.sha256(f"test key {r}".encode()).digest() for r in range(comm.Get_size())]
     keys = ChannelKeys(privates[rank], tuple(public_key(p) for p in privates), b"test job")
-    rng = np.random.default_rng(rank)
-    block = Block.from_matrix(rng.normal(size=(N_ROWS, WIDTH)))
-    problem = get_problem("logistic", lam=0.1)
-    active = rank < 2
-    party = PartyState(rank=rank, block=block, w=np.zeros(WIDTH),
-                       rule=get_rule("sgd")(block, problem.regularizer, problem.lam, 0.05, writers=2),
-                       problem=problem if active else None,
-                       y=rng.choice([-1.0, 1.0], N_ROWS) if active else None)
-    runtime = PartyRuntime(comm, party, active_ranks=[0, 1], threads=1, seed=0, keys=keys)
+    party = small_party(rank, active=rank < 2)
+    runtime = PartyRuntime(comm, party, RuntimeOptions(active_ranks=(0, 1), threads=1, seed=0, keys=keys))
     if rank == 0:
         runtime.dominate(10)  # honest sealed traffic first
     comm.Barrier()
     if rank == 1:
         with runtime.transport.send_lock:  # the next counter of the link to party 0, as an honest send
-            sealed = runtime.channels.seal(0, TAG_THETA, pack(0, np.array([3]), np.array([0.5])))
+            sealed = runtime.plane.channels.seal(0, TAG_THETA, pack(0, np.array([3]), np.array([0.5])))
             if scenario == "tampered":
                 sealed[1] ^= np.uint64(1)  # one bit of the ciphertext
-            runtime.data.Send(sealed, 0, TAG_THETA)
+            runtime.plane.data.Send(sealed, 0, TAG_THETA)
             if scenario == "replayed":
-                runtime.data.Send(sealed, 0, TAG_THETA)
+                runtime.plane.data.Send(sealed, 0, TAG_THETA)
     if rank == 0:  # the tampered message, or the original and its replay, applied only if accepted
         await_verdict(runtime, source=1, accepted_after=1 if scenario == "tampered" else 2)
     runtime.close()  # the others wait here (a collective) for party 0: its verdict, or the job's end

@@ -199,6 +199,86 @@ class _PartyWriter:
         (self.folder / META_NAME).write_text(json.dumps({"format": FOLDER_FORMAT, **meta}, indent=2) + "\n")
 
 
+class _Router:
+    """Sends each entry of a chunk to its party (by column) and its split (by row), renumbered to the
+    party's local columns: the per-entry work of the second pass, with the maps built once."""
+
+    def __init__(self, blocks: list[np.ndarray], width: int, base: int, is_test: np.ndarray,
+                 renumbered: bool) -> None:
+        self.owner = np.empty(width, dtype=np.int16 if len(blocks) < 2**15 else np.int32)
+        self.local = np.empty(width, dtype=np.int32)
+        for p, block in enumerate(blocks):
+            self.owner[block] = p
+            self.local[block] = np.arange(block.size, dtype=np.int32)
+        self.base, self.is_test, self.renumbered = base, is_test, renumbered
+
+    def route(self, chunk: _Chunk, writers: list[_PartyWriter]) -> None:
+        X = chunk.X
+        rows = np.repeat(np.arange(X.shape[0]), np.diff(X.indptr))
+        columns = X.indices.astype(np.int64) - self.base
+        entry_owner = self.owner[columns]
+        chunk_test = self.is_test[chunk.first_row:chunk.first_row + X.shape[0]]
+        for split, wanted in (("train", False), ("test", True)):
+            in_split = chunk_test[rows] == wanted
+            selected_rows = chunk_test == wanted
+            for p, writer in enumerate(writers):
+                mask = in_split & (entry_owner == p)
+                counts = np.bincount(rows[mask], minlength=X.shape[0])[selected_rows]
+                data, indices = X.data[mask], self.local[columns[mask]]
+                if self.renumbered:   # local numbers no longer follow the file's order within a row
+                    order = np.lexsort((indices, rows[mask]))
+                    data, indices = data[order], indices[order]
+                writer.append(split, data, indices, counts)
+
+
+def _check_request(source: Path, task: str, chunk_bytes: int) -> None:
+    """What can be refused before the file is read."""
+    if not source.is_file():
+        raise FileNotFoundError(f"LIBSVM file {source} does not exist")
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+
+
+def _width(source: Path, survey: _Survey, base: int, n_features: int | None, stand_in: dict | None) -> int:
+    """The number of features: as given, else a stand-in's, else the file's largest index; every
+    index of the file must fall inside it."""
+    width = n_features or (int(stand_in["n_features"]) if stand_in else survey.max_index - base + 1)
+    if survey.max_index - base >= width:
+        raise DataValidationError(f"{source}, line {survey.max_line}: feature index {survey.max_index} is "
+                                  f"beyond the {width:,} features")
+    return width
+
+
+def _ordered_blocks(blocks: list[np.ndarray], raw_counts: np.ndarray, width: int,
+                    column_order: str) -> tuple[list[np.ndarray], bool]:
+    """The blocks with columns numbered by ``column_order`` (first-pass counts), and whether any block's
+    numbering now differs from the file's index order (then each row's entries must be re-sorted)."""
+    if column_order == "index":
+        return blocks, False
+    counts = np.zeros(width, dtype=np.int64)
+    counts[:raw_counts.size] = raw_counts
+    ordered = [order_columns(block, counts, column_order) for block in blocks]
+    return ordered, any(a is not b for a, b in zip(ordered, blocks, strict=True))
+
+
+def _publish(out: Path, writers: list[_PartyWriter], partial: list[Path], blocks: list[np.ndarray],
+             common: dict, ids: dict[str, np.ndarray], labels: dict[str, np.ndarray]) -> list[Path]:
+    """Close every party's folder and only then give it its final name, so that an interrupted split
+    leaves ``*.partial`` folders and never a party folder that looks complete."""
+    paths = []
+    for p, (writer, block) in enumerate(zip(writers, blocks, strict=True)):
+        meta = {"dataset": common["dataset"], "task": common["task"], "party": p,
+                "n_features_total": common["n_features_total"], "n_features": int(block.size),
+                "has_labels": writer.labelled}
+        writer.finish(meta, block, ids, labels)
+        final = out / party_file_name(p, "folder")
+        partial[p].rename(final)
+        paths.append(final)
+    return paths
+
+
 def split_libsvm_file(path: str | Path, parties: int, active: Sequence[int], out_dir: str | Path, *,
                       seed: int = 0, partition_seed: int | None = None, contiguous: bool = False,
                       n_features: int | None = None, task: str = "binary", dataset: str | None = None,
@@ -214,19 +294,11 @@ def split_libsvm_file(path: str | Path, parties: int, active: Sequence[int], out
     pass).
     """
     source = Path(path)
-    if not source.is_file():
-        raise FileNotFoundError(f"LIBSVM file {source} does not exist")
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    _check_request(source, task, chunk_bytes)
     stand_in = _stand_in_info(source)
     survey = _survey(source, chunk_bytes)
     base = 0 if survey.min_index == 0 else 1
-    width = n_features or (int(stand_in["n_features"]) if stand_in else survey.max_index - base + 1)
-    if survey.max_index - base >= width:
-        raise DataValidationError(f"{source}, line {survey.max_line}: feature index {survey.max_index} is "
-                                  f"beyond the {width:,} features")
+    width = _width(source, survey, base, n_features, stand_in)
     if not 1 <= parties <= width:
         raise ValueError(f"the number of parties must be between 1 and the {width:,} features, got {parties}")
     active_parties = _check_active(active, parties)
@@ -236,20 +308,8 @@ def split_libsvm_file(path: str | Path, parties: int, active: Sequence[int], out
     is_test[test_ids] = True
     p_seed = seed if partition_seed is None else partition_seed
     blocks = contiguous_blocks(width, parties) if contiguous else random_blocks(width, parties, seed=p_seed)
-    if column_order != "index":
-        counts = np.zeros(width, dtype=np.int64)
-        raw = survey.counts[base:base + width]
-        counts[:raw.size] = raw
-        ordered = [order_columns(block, counts, column_order) for block in blocks]
-        renumbered = any(a is not b for a, b in zip(ordered, blocks, strict=True))
-        blocks = ordered
-    else:
-        renumbered = False
-    owner = np.empty(width, dtype=np.int16 if parties < 2**15 else np.int32)
-    local = np.empty(width, dtype=np.int32)
-    for p, block in enumerate(blocks):
-        owner[block] = p
-        local[block] = np.arange(block.size, dtype=np.int32)
+    blocks, renumbered = _ordered_blocks(blocks, survey.counts[base:base + width], width, column_order)
+    router = _Router(blocks, width, base, is_test, renumbered)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -257,32 +317,12 @@ def split_libsvm_file(path: str | Path, parties: int, active: Sequence[int], out
     partial = [out / f"{party_file_name(p, 'folder')}.partial" for p in range(parties)]
     writers = [_PartyWriter(folder, p in active_parties) for p, folder in enumerate(partial)]
     for chunk in _chunks(source, chunk_bytes):
-        X = chunk.X
-        rows = np.repeat(np.arange(X.shape[0]), np.diff(X.indptr))
-        columns = X.indices.astype(np.int64) - base
-        entry_owner, chunk_test = owner[columns], is_test[chunk.first_row:chunk.first_row + X.shape[0]]
-        for split, wanted in (("train", False), ("test", True)):
-            in_split = chunk_test[rows] == wanted
-            selected_rows = chunk_test == wanted
-            for p, writer in enumerate(writers):
-                mask = in_split & (entry_owner == p)
-                counts = np.bincount(rows[mask], minlength=X.shape[0])[selected_rows]
-                data, indices = X.data[mask], local[columns[mask]]
-                if renumbered:   # local numbers no longer follow the file's order within a row
-                    order = np.lexsort((indices, rows[mask]))
-                    data, indices = data[order], indices[order]
-                writer.append(split, data, indices, counts)
+        router.route(chunk, writers)
     name = dataset or (stand_in["name"] if stand_in else source.name.removesuffix(".bz2").removesuffix(".gz"))
     ids = {"train": train_ids.astype(np.int64), "test": test_ids.astype(np.int64)}
     split_labels = {"train": labels[train_ids], "test": labels[test_ids]}
-    paths = []
-    for p, (writer, block) in enumerate(zip(writers, blocks, strict=True)):
-        meta = {"dataset": name, "task": task, "party": p, "n_features_total": width,
-                "n_features": int(block.size), "has_labels": writer.labelled}
-        writer.finish(meta, block, ids, split_labels)
-        final = out / party_file_name(p, "folder")
-        partial[p].rename(final)
-        paths.append(final)
+    common = {"dataset": name, "task": task, "n_features_total": width}
+    paths = _publish(out, writers, partial, blocks, common, ids, split_labels)
     manifest = PartyManifest(name, task, parties, active_parties, int(train_ids.size), int(test_ids.size),
                              width, tuple(int(b.size) for b in blocks), seed, None if contiguous else p_seed,
                              tuple(p.name for p in paths))

@@ -139,6 +139,63 @@ class _Generator:
         return (-label if flipped else label), columns, values, flipped, margin == 0
 
 
+def _check_parameters(spec: StandInShape, rows: int, target: float, zipf_exponent: float,
+                      planted_fraction: float, label_noise: float) -> None:
+    """Refuse, before any byte is written, what would make a file of the wrong shape or never finish."""
+    if rows < 1:
+        raise ValueError(f"--rows must be at least 1, got {rows}")
+    if not 1 <= target <= spec.n_features / 4:
+        raise ValueError(f"--mean-nnz must be between 1 and {spec.n_features // 4:,}, got {target:g}")
+    if not 0 <= label_noise < 0.5:
+        raise ValueError(f"--label-noise must be in [0, 0.5), got {label_noise:g}")
+    if not 0 < planted_fraction <= 1:
+        raise ValueError(f"planted_fraction must be in (0, 1], got {planted_fraction:g}")
+    if zipf_exponent <= 0:
+        raise ValueError(f"zipf_exponent must be positive, got {zipf_exponent:g}")
+
+
+@dataclass
+class _Tally:
+    """The realised statistics the sidecar reports, counted as the rows are written."""
+
+    nnz: int = 0
+    max_nnz: int = 0
+    positives: int = 0
+    flips: int = 0
+    ties: int = 0
+
+    def add(self, label: float, nnz: int, flipped: bool, tied: bool) -> None:
+        self.nnz += nnz
+        self.max_nnz = max(self.max_nnz, nnz)
+        self.positives += label > 0
+        self.flips += flipped
+        self.ties += tied
+
+
+def _libsvm_line(label: float, columns: np.ndarray, values: np.ndarray) -> str:
+    """One row as LIBSVM text: the label as ``+1``/``-1``, then ``column:value`` pairs with 1-based
+    columns (the LIBSVM convention) and values to 7 significant digits."""
+    pairs = np.empty(2 * columns.size, dtype=object)
+    pairs[0::2], pairs[1::2] = (columns + 1).tolist(), values.tolist()
+    return f"{label:+.0f} " + ("%d:%.7g " * columns.size % tuple(pairs)).rstrip()
+
+
+def _write_rows(f, gen: _Generator, rows: int) -> _Tally:
+    """``rows`` rows of ``gen``, written ``_ROWS_PER_WRITE`` lines at a time."""
+    tally = _Tally()
+    lines = []
+    for _ in range(rows):
+        label, columns, values, flipped, tied = gen.row()
+        lines.append(_libsvm_line(label, columns, values))
+        tally.add(label, columns.size, flipped, tied)
+        if len(lines) == _ROWS_PER_WRITE:
+            f.write("\n".join(lines) + "\n")
+            lines.clear()
+    if lines:
+        f.write("\n".join(lines) + "\n")
+    return tally
+
+
 def write_standin(path: str | os.PathLike[str], shape: str, *, n_rows: int | None = None, seed: int = 0,
                   mean_nnz: float | None = None, zipf_exponent: float = 1.0, nnz_sigma: float = 0.8,
                   planted_fraction: float = 0.05, label_noise: float = 0.05,
@@ -154,16 +211,7 @@ def write_standin(path: str | os.PathLike[str], shape: str, *, n_rows: int | Non
     spec = SHAPES[shape]
     rows = spec.n_rows if n_rows is None else int(n_rows)
     target = spec.mean_nnz if mean_nnz is None else float(mean_nnz)
-    if rows < 1:
-        raise ValueError(f"--rows must be at least 1, got {rows}")
-    if not 1 <= target <= spec.n_features / 4:
-        raise ValueError(f"--mean-nnz must be between 1 and {spec.n_features // 4:,}, got {target:g}")
-    if not 0 <= label_noise < 0.5:
-        raise ValueError(f"--label-noise must be in [0, 0.5), got {label_noise:g}")
-    if not 0 < planted_fraction <= 1:
-        raise ValueError(f"planted_fraction must be in (0, 1], got {planted_fraction:g}")
-    if zipf_exponent <= 0:
-        raise ValueError(f"zipf_exponent must be positive, got {zipf_exponent:g}")
+    _check_parameters(spec, rows, target, zipf_exponent, planted_fraction, label_noise)
     out = Path(path)
     if (out.exists() or sidecar_path(out).exists()) and not overwrite:
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
@@ -172,32 +220,15 @@ def write_standin(path: str | os.PathLike[str], shape: str, *, n_rows: int | Non
     params = {"shape": shape, "rows": rows, "seed": seed, "mean_nnz_target": target,
               "zipf_exponent": zipf_exponent, "nnz_lognormal_sigma": nnz_sigma,
               "planted_fraction": planted_fraction, "label_noise": label_noise}
-    nnz = positives = flips = ties = 0
-    max_nnz = 0
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "w", encoding="ascii") as f:
         f.write(f"# vfl stand-in for {spec.of} (NOT the real data): {spec.name}, {spec.n_features} features, "
                 f"{json.dumps(params, sort_keys=True)}\n")
-        lines = []
-        for _ in range(rows):
-            label, columns, values, flipped, tied = gen.row()
-            pairs = np.empty(2 * columns.size, dtype=object)
-            pairs[0::2], pairs[1::2] = (columns + 1).tolist(), values.tolist()
-            lines.append(f"{label:+.0f} " + ("%d:%.7g " * columns.size % tuple(pairs)).rstrip())
-            nnz += columns.size
-            max_nnz = max(max_nnz, columns.size)
-            positives += label > 0
-            flips += flipped
-            ties += tied
-            if len(lines) == _ROWS_PER_WRITE:
-                f.write("\n".join(lines) + "\n")
-                lines.clear()
-        if lines:
-            f.write("\n".join(lines) + "\n")
+        tally = _write_rows(f, gen, rows)
     info = {"format": FORMAT, "name": spec.name, "stand_in_for": spec.of, "real_shape": asdict(spec),
-            "n_rows": rows, "n_features": spec.n_features, "nnz": nnz, "mean_nnz": nnz / rows,
-            "max_nnz": max_nnz, "positive_fraction": positives / rows, "flipped_fraction": flips / rows,
-            "coin_toss_fraction": ties / rows,
+            "n_rows": rows, "n_features": spec.n_features, "nnz": tally.nnz, "mean_nnz": tally.nnz / rows,
+            "max_nnz": tally.max_nnz, "positive_fraction": tally.positives / rows,
+            "flipped_fraction": tally.flips / rows, "coin_toss_fraction": tally.ties / rows,
             "parameters": params, "file": out.name,
             "note": "synthetic stand-in: same width and nonzeros per row as the real file, not its content"}
     os.replace(tmp, out)

@@ -1,0 +1,500 @@
+"""The data plane of one party: its threads and the dominated loop.
+
+Threads:
+
+* **communication thread** - the only receiver on the data communicator. It waits in one blocking
+  ``Recv(ANY_SOURCE, ANY_TAG)`` (no Python polling, no ``Probe``: with more ranks than cores either
+  costs an OS time slice per message), validates what arrived (:func:`~parties.messages.check_envelope`,
+  then the receivers of each kind) and serves it: secure-aggregation traffic (this party's masked
+  products for other dominators' requests, tree sums), (ϑ, i) broadcasts (handed to a worker), the
+  synchronous baselines' acknowledgements, heartbeats. With ``link_delay`` it hands messages to a
+  :class:`~protocols.delay.DelayedDelivery` thread instead, which serves them after the delay.
+* **k worker threads** - apply collaborative updates (Alg. 3/5/7) to the shared block ``w`` lock-free
+  with numba ``nogil`` kernels, so they really run in parallel. The ϑ stream of dominator r goes to
+  worker ``r mod k`` (k = m: one worker per dominator stream, the paper's setting).
+* **heartbeat thread** - tells the others this party is alive, and ends the job when one is silent.
+* **the dominated loop** (:meth:`DataPlane.dominate`, the main thread of an active party during a
+  segment): sample rows, obtain ŵ·x by Algorithm 1 rooted here, compute ϑ, broadcast (ϑ, i), update
+  its own block.
+
+Every data-plane message goes through one :class:`~protocols.transport.MpiTransport`: sends may come
+from any thread (``MPI_THREAD_MULTIPLE``), never block, and are sealed there with ``--secure-channels``.
+Under ``--label-privacy he`` the batches to passive parties are the label plane's
+(``parties/label_plane.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import queue
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from parties.lifecycle import guarded, stop_job
+from parties.messages import (
+    MAX_MESSAGE_WORDS,
+    MESSAGE_KINDS,
+    TAG_ACK,
+    TAG_DONE,
+    TAG_HE_BATCH,
+    TAG_HE_DECRYPTED,
+    TAG_HE_MASKED,
+    TAG_HEARTBEAT,
+    TAG_STOP,
+    TAG_THETA,
+    TAG_THETA_REQUEST,
+    WORKER_BATCH,
+    check_envelope,
+)
+from parties.options import RuntimeOptions
+from protocols import label_he
+from protocols.aggregation import HEADER_WORDS, AggregationNode, Completed, Kind, Requested
+from protocols.channels import OVERHEAD_WORDS
+from protocols.delay import DelayedDelivery
+from protocols.dispatch import Inbox, pack, piggyback, split_piggyback
+from protocols.errors import ProtocolViolation
+from protocols.transport import AGGREGATION_TAG, MpiTransport
+
+
+class DataPlane:
+    """One party's data communicator (a duplicate of ``comm``, collective), its threads and the
+    dominated loop. ``control`` is the party's control plane (barriers, the ``sync-global``
+    agreement), ``label`` its label plane under ``--label-privacy he`` (else None), ``records`` the
+    audit transcript (None when not auditing). :meth:`start` starts the threads, :meth:`stop` ends
+    them, :meth:`free` frees the communicator."""
+
+    def __init__(self, comm: MPI.Comm, party, options: RuntimeOptions, *, tree_pairs, control,
+                 label=None, records: list | None = None) -> None:
+        self.party = party
+        self.rank, self.q = comm.Get_rank(), comm.Get_size()
+        self.data = comm.Dup()
+        self.control = control
+        self.label = label
+        self.transcript = records
+        self.active_ranks = list(options.active_ranks)
+        self.synchronous = options.synchronous
+        self.dispatch = options.dispatch
+        self.batch_size = options.batch_size
+        self.inflight = 1 if self.synchronous else options.inflight
+        self.piggyback = options.piggyback and options.dispatch
+        self.he = label is not None
+        self._lockstep = control.lockstep is not None  # sync-global: the dominators agree on each step
+        #: --label-privacy he with passive parties: their batches go encrypted
+        self._he_passive = self.he and len(self.active_ranks) < self.q
+        #: sync modes: the most steps this dominator ever had broadcast but not fully acknowledged
+        self.max_unacked = 0
+        self.slowdown = options.slowdown if options.straggler == self.rank else 0.0
+        #: seconds the straggler's workers wait before applying a batch (a collaborator slow to update)
+        self.apply_delay = options.apply_delay if options.straggler == self.rank else 0.0
+        self.node = AggregationNode(self.rank, self.q, tree_pairs, allow_leaky_q2=options.allow_two_parties,
+                                     roots=options.active_ranks)  # only dominators root a request
+        self.node_lock = threading.Lock()
+        self.inbox = Inbox(self.q)
+        self._label_state(label)
+        #: with keys, every message between parties is sealed (authenticated encryption), per plane
+        self.channels = None if options.keys is None else options.keys.channels(self.rank, b"data")
+        wire_words = self.max_words + (0 if self.channels is None else OVERHEAD_WORDS)
+        #: every data-plane message, both ways (protocols/transport.py): sends from any thread, sealed
+        #: with channels; the communication thread is its one receiver
+        self.transport = MpiTransport(self.data, capacity_words=wire_words, max_message_words=wire_words,
+                                      channels=self.channels, kinds=MESSAGE_KINDS)
+        self.applied = np.zeros(self.q, dtype=np.int64)
+        self.applied_cond = threading.Condition()
+        self.sent = 0
+        #: per dominator: segments it has finished, and its cumulative (ϑ, i) broadcasts at that point
+        self.done_segments = np.zeros(self.q, dtype=np.int64)
+        self.done_sent = np.zeros(self.q, dtype=np.int64)
+        self.segment = 0
+        self.acks: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.results: dict[int, queue.SimpleQueue[np.ndarray]] = {}
+        self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(options.threads)]
+        #: per rank: the worker queue of its (ϑ, i) stream (dominator r → worker r mod k)
+        self._queue_of = [self.queues[self.active_ranks.index(r) % len(self.queues)]
+                          if r in self.active_ranks else None for r in range(self.q)]
+        self._rng = np.random.default_rng([options.seed, self.rank])
+        self.peer_timeout = options.peer_timeout
+        self.last_heard = np.zeros(self.q)
+        self._stopped = np.zeros(self.q, dtype=np.int64)  # STOP messages received, per party
+        self._stopping = threading.Event()
+        self._guard = functools.partial(guarded, self.data, self.rank)
+        self._link = (options.link_delay, options.link_jitter, options.seed + self.rank)
+
+    def _label_state(self, label) -> None:
+        """What the hot path needs of the label plane, as plain attributes: the largest message, and under
+        ``--epsilon`` the noise, the pass batches and the per-row clipping."""
+        self.max_words = MAX_MESSAGE_WORDS if label is None else label.max_words
+        if self.piggyback:  # a (ϑ, i) message of B rows and a request for B rows, behind a length word
+            b = self.batch_size
+            self.max_words = max(self.max_words, 1 + (2 + 2 * b) + (HEADER_WORDS + b))
+        self._noise_std = 0.0 if label is None else label.noise_std
+        self._batches = None if label is None else label.batches
+        self._row_scale = None if label is None else label.row_scale
+        self._own_noise = getattr(label, "own_noise", None)
+
+    def start(self) -> None:
+        """Warm up, wait until every party has (silence from then on means something), start the threads."""
+        self._warm_up()
+        self.control.barrier()
+        self.last_heard[:] = time.monotonic()
+        self._heartbeat = threading.Thread(target=self._guard(self._heartbeat_loop), name="heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
+        delay, jitter, seed = self._link
+        #: with an emulated link delay, received messages wait there before they are processed
+        self.link = (DelayedDelivery(self._process, delay, jitter, seed=seed, wrap=self._guard)
+                     if delay or jitter else None)
+        self._comm_thread = threading.Thread(target=self._guard(self._comm_loop), name="comm", daemon=True)
+        self._workers = [threading.Thread(target=self._guard(self._worker_loop), args=(qu, k + 1),
+                                          name=f"worker-{k}", daemon=True)
+                         for k, qu in enumerate(self.queues)]
+        for t in [self._comm_thread, *self._workers]:
+            t.start()
+
+    def _warm_up(self) -> None:
+        """Compile the numba kernels now, so that JIT time never counts as training time."""
+        none = np.zeros(0, dtype=np.int64)
+        self.party.rule.products(self.party.w, none)
+        self.party.rule.apply(self.party.w.copy(), none, np.zeros(0))
+
+    def stop(self) -> None:
+        """End this party's threads once every party is done (call after a control-plane barrier).
+
+        The heartbeat and the workers stop first; then this party tells every party, itself included,
+        that it sends nothing more (STOP), and the communication thread ends when it has heard that from
+        every party. MPI keeps one sender's messages in order, so nothing is in flight on the data
+        communicator afterwards and :meth:`free` may free it.
+        """
+        self._stopping.set()
+        self._heartbeat.join()
+        for qu in self.queues:
+            qu.put(None)
+        for t in self._workers:
+            t.join()
+        stop = np.zeros(1, np.uint64)
+        for dest in range(self.q):
+            self.transport.send(dest, stop, TAG_STOP)
+        self._comm_thread.join()
+        if self.link is not None:
+            self.link.close()
+        self.transport.flush()
+
+    def free(self) -> None:
+        """Free the data communicator (collective); afterwards it is ``MPI.COMM_NULL``."""
+        if self.data != MPI.COMM_NULL:
+            self.data.Free()
+
+    # ---------------------------------------------------------------------------------- thread bodies
+
+    def _comm_loop(self) -> None:
+        # One blocking Recv(ANY_SOURCE, ANY_TAG) into a reused buffer (MpiTransport.recv_any): with ranks
+        # outnumbering cores, Probe + Recv measured 1-8 ms per round trip here, a plain Recv 20-35 µs.
+        # Everything another party sends is validated here, before it can reach a kernel: the envelope
+        # by check_envelope, the contents by Inbox (ϑ, i; DONE) and AggregationNode.receive (with this
+        # party's n_rows for REQUEST indices). A bad message raises ProtocolViolation naming the sender,
+        # and the thread's guard ends the job with it.
+        while True:
+            source, tag, msg = self.transport.recv_any()  # framing, sizes and seals checked there
+            check_envelope(source, tag, msg.nbytes, rank=self.rank, active_ranks=self.active_ranks,
+                           synchronous=self.synchronous, he=self.he)
+            self.last_heard[source] = time.monotonic()
+            if self.transcript is not None:
+                self.transcript.append((source, tag, msg.copy()))
+            if tag == TAG_STOP:
+                if self._on_stop(source):
+                    return
+            elif self.link is not None:  # emulated latency: processed later
+                self.link.submit(source, tag, msg)
+            else:
+                self._process(source, tag, msg)
+
+    def _on_stop(self, source: int) -> bool:
+        """Count ``source``'s STOP (one a party); whether every party has sent its own."""
+        self._stopped[source] += 1
+        if self._stopped[source] > 1:
+            raise ProtocolViolation(source, "STOP message", "a second one")
+        return bool(self._stopped.all())
+
+    def _process(self, source: int, tag: int, msg: np.ndarray) -> None:
+        """Act on one validated data-plane message (the communication or the link-delay thread)."""
+        if tag == AGGREGATION_TAG:
+            self._on_aggregation(source, msg)
+        elif tag == TAG_THETA:
+            self._on_theta(source, msg.view(np.float64))
+        elif tag == TAG_THETA_REQUEST:  # ϑ first: the request's products may then already include it
+            theta, request = split_piggyback(source, msg)
+            if request.size < HEADER_WORDS or int(request[0]) != Kind.REQUEST:
+                raise ProtocolViolation(source, "piggybacked request", "is not an aggregation REQUEST")
+            self._on_theta(source, theta)
+            self._on_aggregation(source, request)
+        elif tag == TAG_DONE:
+            count = self.inbox.done(source, msg.view(np.int64))
+            with self.applied_cond:
+                self.done_segments[source] += 1
+                self.done_sent[source] = count
+                self.applied_cond.notify_all()
+        elif tag == TAG_ACK:
+            self.acks.put(source)
+        elif tag == TAG_HE_BATCH:
+            seq, rows, payload = label_he.unpack_batch(source, msg, n_rows=self.party.block.n_rows,
+                                                       batch=self.batch_size)
+            self.inbox.next_sequence(source, seq, "encrypted batch")
+            self._queue_of[source].put((source, rows, payload, seq))
+        elif tag == TAG_HE_MASKED:
+            self.transport.send(source, self.label.decrypt_for(source, msg, self.sent), TAG_HE_DECRYPTED)
+        elif tag == TAG_HE_DECRYPTED:
+            self.label.replies[source].put(msg)
+        # TAG_HEARTBEAT: being heard from is all it says
+
+    def _on_theta(self, source: int, message: np.ndarray) -> None:
+        """A dominator's (ϑ, i) broadcast: validated (protocols/dispatch.py), then to its worker."""
+        rows, thetas = self.inbox.unpack(source, message, self.party.block.n_rows)
+        self._queue_of[source].put((source, rows, thetas))
+
+    def _heartbeat_loop(self) -> None:
+        """Liveness: tell every other party this one is alive, and end the job when one has been
+        silent for ``peer_timeout`` seconds. A party that is stopped, cut off or frozen would otherwise
+        leave the others waiting forever (a crashed one is already handled: MPI ends the job)."""
+        beat = np.zeros(1, dtype=np.uint64)
+        others = [r for r in range(self.q) if r != self.rank]
+        while not self._stopping.wait(min(self.peer_timeout / 4, 0.5)):
+            for dest in others:
+                self.transport.send(dest, beat, TAG_HEARTBEAT)
+            now = time.monotonic()
+            silent = max(others, key=lambda r: now - self.last_heard[r])
+            gap = now - self.last_heard[silent]
+            if gap > self.peer_timeout:
+                stop_job(self.data, self.rank, "failed",
+                         f"party {silent} has been silent for {gap:.1f} s (stopped, unreachable or hung?); "
+                         f"--peer-timeout is {self.peer_timeout:g} s")
+
+    def _on_aggregation(self, source: int, buf: np.ndarray) -> None:
+        started = time.perf_counter()
+        self._handle_aggregation(source, buf)
+        self._straggle(started)  # a slow party is slow at everything, forwarding included
+
+    def _handle_aggregation(self, source: int, buf: np.ndarray) -> None:
+        with self.node_lock:  # validates the header, lengths and (against n_rows) REQUEST indices
+            step = self.node.receive(source, buf, n_rows=self.party.block.n_rows)
+        self._send_all(step.outgoing)
+        event = step.event
+        if isinstance(event, Requested):
+            values = self.party.rule.products(self.party.w, event.indices)
+            with self.node_lock:
+                step = self.node.start(event.root, event.rid, values)
+            self._send_all(step.outgoing)
+            event = step.event
+        if isinstance(event, Completed):
+            slot = self.results.pop(event.rid, None)
+            if slot is None:
+                raise ProtocolViolation(source, "tree sum", f"it completed request {event.rid}, which "
+                                        f"party {self.rank} never made")
+            slot.put(event.result())
+
+    def _worker_loop(self, inbox: queue.SimpleQueue, writer: int) -> None:
+        """Apply (ϑ, i) messages as they come; whatever has queued up meanwhile is applied in one
+        kernel call (same order, same result), so the GIL-holding Python work per message stays
+        small and k workers overlap in the ``nogil`` kernels."""
+        party = self.party
+        if self.he and not party.active:
+            return self._he_worker_loop(inbox)
+        noise = np.random.default_rng() if self._noise_std else None  # this thread's own, OS entropy
+        while True:
+            batch = [inbox.get()]
+            while len(batch) < WORKER_BATCH and not inbox.empty():
+                batch.append(inbox.get_nowait())
+            stopping = batch[-1] is None
+            items = batch[:-1] if stopping else batch
+            if items:
+                rows = np.concatenate([rows for _, rows, _ in items])
+                thetas = np.concatenate([thetas for _, _, thetas in items])
+                if self.apply_delay:
+                    time.sleep(self.apply_delay)
+                started = time.perf_counter()
+                party.rule.apply(party.w, rows, self._clipped(rows, thetas), writer=writer)
+                if noise is not None:  # one draw for len(items) steps: the sum of their noises
+                    scale = self._noise_std * math.sqrt(len(items))
+                    party.rule.apply_noise(party.w, noise.normal(0.0, scale, party.w.size))
+                self._straggle(started)
+                self._applied([source for source, _, _ in items])
+            if stopping:
+                return
+
+    def _he_worker_loop(self, inbox: queue.SimpleQueue) -> None:
+        """Passive party under ``--label-privacy he``: for each encrypted batch, in order, the block
+        gradient through the label plane, then one step."""
+        party = self.party
+        while (item := inbox.get()) is not None:
+            source, rows, payload, seq = item
+            gradient = self.label.passive_gradient(source, rows, payload, seq, self.transport)
+            if self.apply_delay:
+                time.sleep(self.apply_delay)
+            started = time.perf_counter()
+            party.rule.apply_gradient(party.w, gradient)
+            self._straggle(started)
+            self._applied([source])
+
+    def _applied(self, sources: list[int]) -> None:
+        """Count what a worker applied (``drain`` waits on it); the synchronous modes acknowledge each."""
+        with self.applied_cond:
+            for source in sources:
+                self.applied[source] += 1
+            self.applied_cond.notify_all()
+        if self.synchronous:
+            for source in sources:
+                self.transport.send(source, np.zeros(1, np.uint64), TAG_ACK)
+
+    # ------------------------------------------------------------------------------- dominated updates
+
+    def _straggle(self, started: float) -> None:
+        """An injected straggler spends ``slowdown`` times longer on each piece of work (busy, like a
+        slower CPU would; sleeping is far too coarse at microsecond scale)."""
+        if self.slowdown:
+            deadline = time.perf_counter() + self.slowdown * (time.perf_counter() - started)
+            while time.perf_counter() < deadline:
+                pass
+
+    def _send_all(self, outgoing) -> None:
+        for message in outgoing:
+            self.transport.send(message.dest, message.buffer, AGGREGATION_TAG)
+
+    def aggregate(self, rows: np.ndarray) -> np.ndarray:
+        """ŵ·x_i for ``rows`` by Algorithm 1 rooted at this party (blocks only on this result)."""
+        return self.request(rows).get()
+
+    def request(self, rows: np.ndarray, theta: np.ndarray | None = None) -> queue.SimpleQueue[np.ndarray]:
+        """Start Algorithm 1 for ``rows`` rooted here; the scores arrive in the returned slot.
+
+        ``theta``, a held (ϑ, i) message (``--piggyback``), rides along with the announcements.
+        """
+        slot: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        with self.node_lock:
+            rid, announcements = self.node.announce(rows)
+            self.results[rid] = slot
+        if theta is None:
+            self._send_all(announcements)
+        else:
+            for message in announcements:
+                self.transport.send(message.dest, piggyback(theta, message.buffer), TAG_THETA_REQUEST)
+            announced = {message.dest for message in announcements}
+            self._broadcast_theta(theta, [r for r in range(self.q) if r != self.rank and r not in announced])
+        started = time.perf_counter()
+        values = self.party.rule.products(self.party.w, rows)
+        with self.node_lock:
+            step = self.node.start(self.rank, rid, values)
+        self._straggle(started)
+        self._send_all(step.outgoing)
+        if isinstance(step.event, Completed):  # q = 1 never happens; kept exact for a leaf-less tree
+            self.results.pop(rid).put(step.event.result())
+        return slot
+
+    def dominate(self, n_steps: int, deadline: float | None = None) -> int:
+        """Run ``n_steps`` dominated updates (Alg. 2/4/6) of ``batch_size`` rows each; returns how many
+        were done.
+
+        Up to ``inflight`` aggregation requests are outstanding, each reading ŵ when it is served, so
+        link latency overlaps instead of adding up; the (ϑ, i) broadcasts still go out in request order,
+        numbered, and every party applies each exactly once. What it costs: a step's ŵ may miss the
+        updates of this dominator's ``inflight − 1`` previous steps, so the bounded delay τ of the
+        analysis grows by ``inflight − 1`` per dominator. The synchronous modes keep one step in flight
+        and wait for every collaborator's acknowledgement; ``sync-global`` also makes all dominators
+        take each step together. With ``piggyback`` each step's (ϑ, i) waits for the next request and
+        rides inside it (docs/runtime.md); when no request follows it goes alone at once.
+        """
+        party = self.party
+        assert party.problem is not None and party.y is not None
+        rows = (self._rng.integers(0, party.block.n_rows, size=(n_steps, self.batch_size))
+                if self._batches is None else self._batches.take(n_steps))
+        others = [r for r in range(self.q) if r != self.rank]
+        pending: collections.deque[tuple[np.ndarray, queue.SimpleQueue[np.ndarray]]] = collections.deque()
+        issued = done = acked = 0
+        held: np.ndarray | None = None  # --piggyback: the last step's (ϑ, i), waiting for a request
+        while done < n_steps:
+            while issued < n_steps and len(pending) < self.inflight and self._may_start(issued, deadline):
+                pending.append((rows[issued], self.request(rows[issued], held)))
+                held = None
+                issued += 1
+            if held is not None:  # no request to ride on: it goes alone, now
+                self._broadcast_theta(held, others)
+                held = None
+            if not pending:
+                break
+            step_rows, slot = pending.popleft()
+            thetas = np.asarray(party.problem.theta(slot.get(), party.y[step_rows]), dtype=np.float64)
+            if self.dispatch:
+                if self.synchronous:
+                    self.max_unacked = max(self.max_unacked,
+                                           done - (acked + self.acks.qsize()) // max(len(others), 1))
+                held = self._dispatch(step_rows, thetas, others)
+            started = time.perf_counter()
+            party.rule.apply(party.w, step_rows, self._clipped(step_rows, thetas), writer=0)
+            if self._noise_std:
+                party.rule.apply_noise(party.w, self._own_noise.normal(0.0, self._noise_std, party.w.size))
+            self._straggle(started)
+            if self.synchronous and self.dispatch:
+                for _ in others:
+                    self.acks.get()
+                    acked += 1
+            done += 1
+        if held is not None:
+            self._broadcast_theta(held, others)
+        return done
+
+    def _dispatch(self, rows: np.ndarray, thetas: np.ndarray, others: list[int]) -> np.ndarray | None:
+        """Step ``sent``'s (ϑ, i) to every other party (passive ones get it encrypted under ``--label-privacy
+        he``), or, with ``piggyback``, held back for the next request: returned."""
+        buf = pack(self.sent, rows, thetas)
+        sealed = (self.label.encrypt_batch(self.sent, rows, self.party.rule.summed_values(rows, thetas))
+                  if self._he_passive else None)
+        self.sent += 1
+        if self.piggyback:
+            return buf
+        for dest in others:
+            if sealed is not None and dest not in self.active_ranks:
+                self.transport.send(dest, sealed, TAG_HE_BATCH)
+            else:
+                self.transport.send(dest, buf, TAG_THETA)
+        return None
+
+    def _clipped(self, rows: np.ndarray, thetas: np.ndarray) -> np.ndarray:
+        """The ϑ's an active party steps with: ϑ_i·s_i under row clipping (the gradient of the clipped
+        row; an SGD step is linear in ϑ), ϑ itself otherwise."""
+        return thetas if self._row_scale is None else thetas * self._row_scale[rows]
+
+    def _broadcast_theta(self, message: np.ndarray, dests: list[int]) -> None:
+        for dest in dests:
+            self.transport.send(dest, message, TAG_THETA)
+
+    def _may_start(self, step: int, deadline: float | None) -> bool:
+        """Whether to start another step: within the time budget, and under ``sync-global`` only when
+        every dominator starts it too (one agreement per step: they stop together)."""
+        go = deadline is None or step % 64 != 0 or time.perf_counter() <= deadline
+        return self.control.agree(go) if self._lockstep else go
+
+    # ---------------------------------------------------------------------------------- main thread
+
+    def finish_segment(self) -> None:
+        """Tell every other party that this dominator is done with the segment, and how many (ϑ, i)
+        it has broadcast so far (they wait for exactly that many before the barrier)."""
+        buf = np.array([self.sent], dtype=np.int64)
+        for dest in range(self.q):
+            if dest != self.rank:
+                self.transport.send(dest, buf, TAG_DONE)
+
+    def drain(self) -> None:
+        """Global barrier: every dominator has finished the segment and every (ϑ, i) it sent has been
+        applied here. Waiting happens on a condition variable, not in a spinning MPI collective, so
+        the waiting main thread costs no CPU while the segment runs."""
+        self.segment += 1
+        others = [r for r in self.active_ranks if r != self.rank]
+        with self.applied_cond:
+            self.applied_cond.wait_for(lambda: all(
+                self.done_segments[r] >= self.segment and self.applied[r] >= self.done_sent[r]
+                for r in others))
+        self.transport.flush()
+        self.control.barrier()
+        self.party.rule.synchronize(self.party.w)  # nothing writes now: bring every coordinate up to date

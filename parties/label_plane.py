@@ -1,0 +1,195 @@
+"""The encrypted label plane of one party (``--label-privacy he``, with ``--epsilon`` label DP).
+
+Passive parties never see ϑ: a dominator sends each batch encrypted under its own key, a passive party
+answers with its masked encrypted block gradient, and the dominator returns the decryption, still
+masked (protocols/label_he.py). The data plane carries the batches (``parties/data_plane.py`` calls
+:meth:`LabelPlane.encrypt_batch`, :meth:`LabelPlane.decrypt_for` and
+:meth:`LabelPlane.passive_gradient`); the keys, the label-DP setup and the SVRG snapshot's encrypted
+full pass go over the control plane (``parties/control_plane.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+from collections.abc import Callable
+
+import numpy as np
+
+from parties.audit import AuditLog
+from parties.control_plane import ControlPlane
+from parties.messages import AUDIT_HE_FULL_GRADIENT, AUDIT_HE_GRADIENT, MAX_MESSAGE_WORDS, TAG_HE_MASKED
+from protocols import label_he
+from protocols.errors import ProtocolViolation
+from vfl.label_privacy import clip_scales, row_norm_bound
+
+
+class PassBatches:
+    """A dominator's batches under ``--label-privacy he --epsilon``: pass e is one permutation of the n
+    rows cut into ⌊n/B⌋ batches, dealt to the m dominators in turn, so a row is in at most one batch a
+    pass and its privacy loss composes over passes, not steps (vfl/label_privacy.py). The seed is the
+    job's: every passive party sees each batch's rows anyway."""
+
+    def __init__(self, n_rows: int, batch: int, dominators: int, index: int, seed: int) -> None:
+        self.n_rows, self.batch, self.seed = n_rows, batch, seed
+        self.dominators, self.index = dominators, index
+        self.passes = 0
+        self._ready = np.zeros((0, batch), dtype=np.int64)
+
+    def take(self, count: int) -> np.ndarray:
+        """The next ``count`` batches, ``[count, B]``."""
+        while self._ready.shape[0] < count:
+            perm = np.random.default_rng([self.seed, 0x1DB, self.passes]).permutation(self.n_rows)
+            cut = perm[: (self.n_rows // self.batch) * self.batch].reshape(-1, self.batch)
+            self._ready = np.concatenate([self._ready, cut[self.index::self.dominators]])
+            self.passes += 1
+        taken, self._ready = self._ready[:count], self._ready[count:]
+        return taken
+
+
+class LabelPlane:
+    """One party's part of the encrypted label plane; all parties construct it collectively (the keys,
+    and with ``noise_multiplier`` the label-DP setup, are exchanged here).
+
+    ``stop(outcome, reason)`` ends the job (:func:`~parties.lifecycle.stop_job`): a value too large to
+    encrypt means the model diverged.
+    """
+
+    def __init__(self, party, control: ControlPlane, audit: AuditLog, *, active_ranks: list[int],
+                 batch_size: int, scheme: str, key_bits: int, stop: Callable[[str, str], None]) -> None:
+        self.party = party
+        self.rank, self.q = control.rank, control.size
+        self.control = control
+        self.audit = audit
+        self.active_ranks = active_ranks
+        self.batch_size = batch_size
+        self.stop = stop
+        #: --epsilon: σC, the noise of every batch gradient (0: none); the dominators' batches of a pass
+        self.noise_std = 0.0
+        self.batches: PassBatches | None = None
+        #: --clip-quantile below 1: an active party's per-row gradient factors (its steps use ϑ_i·s_i)
+        self.row_scale: np.ndarray | None = None
+        self.key = label_he.LabelKey(scheme, key_bits) if party.active else None
+        self.gradients: dict[int, label_he.BlockGradient] = {}
+        #: a passive party's decrypted answers, per dominator (put there by the communication thread)
+        self.replies: dict[int, queue.SimpleQueue[np.ndarray]] = {r: queue.SimpleQueue()
+                                                                  for r in active_ranks}
+        self._answered = np.zeros(self.q, dtype=np.int64)  # per passive party: replies decrypted
+        for root in active_ranks:
+            mine = self.key.public_bytes() if self.rank == root and self.key is not None else None
+            key = control.broadcast_public_key(root, mine)
+            if not party.active:
+                self.gradients[root] = label_he.BlockGradient(root, key, block=party.block, scheme=scheme,
+                                                              key_bits=key_bits)
+        #: the data plane's largest message: one encrypted batch
+        self.max_words = max(MAX_MESSAGE_WORDS,
+                             3 + batch_size + label_he.ciphertext_limit(key_bits, batch_size) // 8 + 1)
+
+    def setup_noise(self, noise_multiplier: float, seed: int, clip_quantile: float) -> None:
+        """``--epsilon``: every party bounds its block's row norms (c_l: the largest, or the
+        ``--clip-quantile`` with the gradients computed from rows clipped to it) and tells the others (one
+        buffer collective) c_l² and the fixed-point feature bits of its block; C = √(Σ_l c_l²) bounds
+        every full row's gradient, and each block's batch gradient gets N(0, (σC)²) per coordinate
+        (vfl/label_privacy.py). Only the label holders draw noise, from OS entropy: a seed the others
+        know would let them subtract it. Semi-honest parties: a passive party that understated its
+        bound would lower the noise every party gets."""
+        party, block = self.party, self.party.block
+        squares = np.bincount(np.repeat(np.arange(block.n_rows), np.diff(block.indptr)),
+                              weights=np.asarray(block.data, dtype=np.float64) ** 2, minlength=block.n_rows)
+        norms = np.sqrt(squares)
+        bound = row_norm_bound(norms, clip_quantile)
+        if bound < norms.max(initial=0.0):
+            scale = clip_scales(norms, bound)
+            if party.active:
+                self.row_scale = scale
+            for gradients in self.gradients.values():
+                gradients.clip_rows(scale)
+        bits = 0 if party.active else next(iter(self.gradients.values())).feature_bits
+        every = self.control.gather_dp_setup(bits, bound**2)
+        for rank, (their_bits, square) in enumerate(every.tolist()):
+            if their_bits not in (0, label_he.FEATURE_BITS) or not 0 <= square < math.inf:
+                raise ProtocolViolation(rank, "label-DP setup", f"feature bits {their_bits}, squared norm "
+                                        f"{square}")
+        self._fraction_bits = label_he.THETA_BITS + every[:, 0].astype(np.int64)
+        self.noise_std = noise_multiplier * math.sqrt(float(every[:, 1].sum()))
+        if party.active:
+            self.batches = PassBatches(block.n_rows, self.batch_size, len(self.active_ranks),
+                                       self.active_ranks.index(self.rank), seed)
+            self.own_noise = np.random.default_rng()  # the main thread's; the comm thread's below
+            self._reply_noise = np.random.default_rng()
+
+    # ---------------------------------------------------------------------- batches (data plane)
+
+    def encrypt_batch(self, seq: int, rows: np.ndarray, thetas: np.ndarray) -> np.ndarray:
+        """Dominator: the encrypted (ϑ, i) batch ``seq`` for the passive parties, numbered like the plain
+        broadcast."""
+        assert self.key is not None
+        try:
+            payload = self.key.encrypt(thetas)
+        except OverflowError as err:
+            self.stop("diverged", str(err))
+        return label_he.pack_batch(seq, rows, payload)
+
+    def decrypt_for(self, source: int, msg: np.ndarray, sent: int) -> np.ndarray:
+        """Dominator: the reply to a passive party's masked batch gradient (its batches in order, each
+        once, only those of the ``sent`` this dominator sent): the decryption, still masked."""
+        assert self.key is not None
+        seq, payload = label_he.unpack_bytes(source, msg, "masked gradient")
+        expected = int(self._answered[source])
+        if seq != expected or seq >= sent:
+            raise ProtocolViolation(source, "masked gradient", f"for batch #{seq} where #{expected} was "
+                                    f"expected ({sent} sent)")
+        words = self.key.decrypt_masked(source, payload, self.batch_size)
+        if self.noise_std:
+            noise = self._reply_noise.normal(0.0, self.noise_std, words.size // 2)
+            try:
+                words = label_he.add_noise(words, noise, int(self._fraction_bits[source]))
+            except OverflowError as err:
+                self.stop("diverged", str(err))
+        self._answered[source] = expected + 1
+        return np.concatenate([np.array([seq], dtype=np.uint64), words])
+
+    def passive_gradient(self, source: int, rows: np.ndarray, payload: bytes, seq: int, transport
+                         ) -> np.ndarray:
+        """Passive party: for dominator ``source``'s encrypted batch ``seq``, its masked encrypted block
+        gradient to the dominator, the decryption back, the mask off (a worker thread)."""
+        gradients = self.gradients[source]
+        transport.send(source, label_he.pack_bytes(seq, gradients.masked(payload, rows)), TAG_HE_MASKED)
+        reply = self.replies[source].get()
+        if reply.size < 1 or int(reply[0]) != seq:
+            raise ProtocolViolation(source, "decrypted gradient", f"is not the answer for batch #{seq}")
+        gradient = gradients.unmask(reply[1:])
+        self.audit.record(source, AUDIT_HE_GRADIENT, gradient)
+        return gradient
+
+    # --------------------------------------------------------- the snapshot's full pass (control)
+
+    def full_pass_leader(self, theta: np.ndarray) -> None:
+        """Leader: ϑ_0 encrypted to every passive party, then each one's masked X_lᵀϑ_0 decrypted for it
+        (the passive parties compute theirs in parallel)."""
+        assert self.key is not None
+        n = theta.size
+        try:
+            payload = label_he.pack_bytes(0, self.key.encrypt(theta))
+        except OverflowError as err:
+            self.stop("diverged", str(err))
+        passive = [p for p in range(self.q) if p not in self.active_ranks]
+        for p in passive:
+            self.control.send_he_full(p, payload)
+        limit = label_he.ciphertext_limit(self.key.key_bits, n) // 8 + 3
+        for p in passive:
+            masked = self.control.recv_he_full_masked(p, limit)
+            self.control.send_he_full_decrypted(p, self.key.decrypt_masked(p, masked, n))
+
+    def full_pass_passive(self, root: int) -> np.ndarray:
+        """Passive party: X_lᵀϑ_0 from the leader's encrypted ϑ_0, ϑ_0 itself unseen."""
+        gradients = self.gradients[root]
+        n = self.party.block.n_rows
+        limit = label_he.ciphertext_limit(gradients.key_bits, n) // 8 + 3
+        payload = self.control.recv_he_full(root, limit)
+        masked = gradients.masked(payload, np.arange(n))
+        self.control.send_he_full_masked(root, label_he.pack_bytes(0, masked))
+        words = self.control.recv_he_full_decrypted(root, 2 * self.party.block.n_cols)
+        gradient = gradients.unmask(words)
+        self.audit.record(root, AUDIT_HE_FULL_GRADIENT, gradient)
+        return gradient
