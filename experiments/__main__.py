@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in EXPERIMENTS:
         print(f"unknown experiment {name!r}; known: {', '.join(EXPERIMENTS)}", file=sys.stderr)
         return 2
-    from vfl.datasets import DatasetNotFoundError
+    from vertical.datasets import DatasetNotFoundError
 
     try:
         module = importlib.import_module(EXPERIMENTS[name][0])

@@ -41,9 +41,9 @@ import numpy as np
 from parties.config import RunConfig
 from parties.launch import launch
 from parties.outcomes import EXIT_CODES
-from vfl.datasets import Dataset, DatasetNotFoundError, get_spec, list_datasets, load
-from vfl.problems import get_problem
-from vfl.reference import evaluate, solve_reference
+from vertical.datasets import Dataset, DatasetNotFoundError, get_spec, list_datasets, load
+from vertical.problems import get_problem
+from vertical.reference import evaluate, solve_reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NONF_FILE = RESULTS / "vfb2_nonf" / "nonf.json"

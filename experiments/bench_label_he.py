@@ -39,7 +39,7 @@ def _timed(fn, repeat: int) -> float:
 def protocol_batch(batch: int, columns: int, nnz_per_row: float, scheme: str, key_bits: int) -> dict:
     """Milliseconds of each step of one HE batch with ``protocols.label_he`` (one passive party)."""
     from protocols.label_he import BlockGradient, LabelKey
-    from vfl.algorithms.vfb2 import Block
+    from vertical.algorithms.vfb2 import Block
 
     rng = np.random.default_rng(0)
     started = time.perf_counter()

@@ -31,10 +31,10 @@ from experiments._machine import cpu_model
 from experiments._plotting import repetitions_figure
 from experiments._vfb2_runner import run_job
 from parties.config import RunConfig
-from vfl.algorithms.serial import run_serial
-from vfl.datasets import load
-from vfl.partition import random_blocks
-from vfl.problems import get_problem
+from vertical.algorithms.serial import run_serial
+from vertical.datasets import load
+from vertical.partition import random_blocks
+from vertical.problems import get_problem
 
 OUT = Path(__file__).resolve().parent / "results" / "piggyback"
 #: variant -> (colour, RunConfig options)

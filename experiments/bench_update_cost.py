@@ -27,8 +27,8 @@ import numpy as np
 import scipy.sparse as sp
 
 from experiments._machine import cpu_model
-from vfl.algorithms.vfb2 import Block, get_rule
-from vfl.problems import L2
+from vertical.algorithms.vfb2 import Block, get_rule
+from vertical.problems import L2
 
 OUT = Path(__file__).resolve().parent / "results" / "update_cost"
 RULES = ("sgd", "svrg", "saga-scalar")

@@ -34,7 +34,7 @@ from experiments._machine import cpu_model
 from parties.config import RunConfig
 from parties.launch import launch
 from parties.outcomes import EXIT_CODES
-from vfl.datasets import Dataset, split_to_party_files
+from vertical.datasets import Dataset, split_to_party_files
 
 OUT = Path(__file__).resolve().parent / "results" / "update_width"
 Q = 4

@@ -2,7 +2,7 @@
 
 Two data sets with the same rows, the same nonzeros per row and the same values, side by side:
 
-* ``wide``: the webspam stand-in's generator (:mod:`vfl.datasets.synth`) at its full 16,609,143
+* ``wide``: the webspam stand-in's generator (:mod:`vertical.datasets.synth`) at its full 16,609,143
   columns, ``--rows`` rows (default 2,000, ~3,700 nonzeros a row: ~7.4M nonzeros, ~90 MB as CSR; the
   real 350,000 rows would be ~15.6 GB, more than this machine has);
 * ``narrow``: each row's nonzeros moved onto 10,000 columns (the same count, distinct, uniform);
@@ -42,9 +42,9 @@ import scipy.sparse as sp
 from parties.config import RunConfig
 from parties.launch import launch
 from parties.outcomes import EXIT_CODES
-from vfl.datasets import Dataset, split_to_party_files
-from vfl.datasets.synth import SHAPES, _Generator
-from vfl.partition import random_blocks
+from vertical.datasets import Dataset, split_to_party_files
+from vertical.datasets.synth import SHAPES, _Generator
+from vertical.partition import random_blocks
 
 OUT = Path(__file__).resolve().parent / "results" / "webspam_shape"
 NARROW = 10_000

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from vfl.algorithms.vfb2 import Block, get_rule
-from vfl.datasets import load
-from vfl.problems import get_problem
+from vertical.algorithms.vfb2 import Block, get_rule
+from vertical.datasets import load
+from vertical.problems import get_problem
 
 OUT = Path(__file__).resolve().parent / "results" / "workers"
 

@@ -43,12 +43,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from vfl.datasets import load
-from vfl.hfl.data import FederatedData
-from vfl.hfl.dro_objectives import ERM, KLDRO, LossComposition
-from vfl.hfl.feddro import CompositionalSimulation, FedDRO, FederatedDRO, StepDecay
-from vfl.hfl.models import TorchModel, torch_mlp
-from vfl.hfl.partitions import iid_partition, imbalanced_st_indices, shard_partition
+from horizontal.data import FederatedData
+from horizontal.dro_objectives import ERM, KLDRO, LossComposition
+from horizontal.feddro import CompositionalSimulation, FedDRO, FederatedDRO, StepDecay
+from horizontal.models import TorchModel, torch_mlp
+from horizontal.partitions import iid_partition, imbalanced_st_indices, shard_partition
+from vertical.datasets import load
 
 PARTS = ("main", "period", "clients", "ablation", "sweep")
 

@@ -24,8 +24,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
-from vfl.hfl.dro_objectives import AffineInnerProblem, p1_problem, p2_problem
-from vfl.hfl.feddro import CompositionalSimulation, FedDRO
+from horizontal.dro_objectives import AffineInnerProblem, p1_problem, p2_problem
+from horizontal.feddro import CompositionalSimulation, FedDRO
 
 P1_ETAS = (0.01, 0.05, 0.1)
 # reference values from an independent float64 NumPy implementation of the recursions (η = 0.05 for P2)

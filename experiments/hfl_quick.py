@@ -24,9 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from protocols.compression import get_compressor
-from vfl.datasets import load
-from vfl.hfl import (
+from horizontal import (
     MLP,
     Algorithm,
     FederatedData,
@@ -36,6 +34,8 @@ from vfl.hfl import (
     make_algorithm,
     shard_partition,
 )
+from protocols.compression import get_compressor
+from vertical.datasets import load
 
 N_CLIENTS, CLIENTS_PER_ROUND, LOCAL_STEPS, BATCH = 200, 20, 10, 32
 LR_LOCAL, LR_GLOBAL = 0.1, 1.0

@@ -56,9 +56,7 @@ import numpy as np
 import torch
 from matplotlib.ticker import NullFormatter
 
-from protocols.compression import get_compressor
-from vfl.datasets import Dataset, load
-from vfl.hfl import (
+from horizontal import (
     MLP,
     Algorithm,
     FederatedData,
@@ -69,6 +67,8 @@ from vfl.hfl import (
     make_algorithm,
     shard_partition,
 )
+from protocols.compression import get_compressor
+from vertical.datasets import Dataset, load
 
 PAPER_MLP = (784, (256, 128), 10)   # MLP 784-256-128-10, d = 235,146
 TRAIN_EVAL_ROWS = 10_000

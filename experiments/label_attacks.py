@@ -172,10 +172,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from parties.config import RunConfig
     from parties.launch import launch
-    from vfl.datasets import load
-    from vfl.datasets.party_files import find_party_file, load_party_file
-    from vfl.problems import get_problem
-    from vfl.reference import evaluate, solve_reference
+    from vertical.datasets import load
+    from vertical.datasets.party_files import find_party_file, load_party_file
+    from vertical.problems import get_problem
+    from vertical.reference import evaluate, solve_reference
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--datasets", nargs="+", default=["credit-card", "a9a"])

@@ -50,7 +50,7 @@ from experiments._vfb2_runner import (
     seconds,
     write_rows,
 )
-from vfl.datasets import get_spec
+from vertical.datasets import get_spec
 
 NAME = "vfb2_async"
 TARGETS = (1e-2, 1e-3)

@@ -39,10 +39,10 @@ from experiments._vfb2_runner import (
     write_rows,
 )
 from parties.outcomes import EXIT_CODES
-from vfl.algorithms.serial import run_serial
-from vfl.datasets import get_spec, load
-from vfl.partition import random_blocks
-from vfl.problems import get_problem
+from vertical.algorithms.serial import run_serial
+from vertical.datasets import get_spec, load
+from vertical.partition import random_blocks
+from vertical.problems import get_problem
 
 NAME = "vfb2_batches"
 PARTIES, ACTIVE, LAM = 4, 2, 1e-4

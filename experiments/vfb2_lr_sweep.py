@@ -4,7 +4,7 @@
 
 The paper picks "the optimal γ from {5e-1, 1e-1, 5e-2, 1e-2, ...}" and uses it for both the async
 VFB² run and its synchronous VFB counterpart. Decision: the sweep runs the *same update rules* in one
-process (:func:`vfl.algorithms.serial.run_serial`, the feature blocks of a q-party split, no
+process (:func:`vertical.algorithms.serial.run_serial`, the feature blocks of a q-party split, no
 federation): a full sweep through MPI would cost ~20 jobs per dataset on this 2-core machine, while the
 runtime's extra staleness at q = 4 is a few updates, far too little to move the best grid point. The
 chosen γ is the one with the lowest sub-optimality after the epoch budget among runs that did not
@@ -36,10 +36,10 @@ from experiments._vfb2_runner import (
     say,
     write_rows,
 )
-from vfl.algorithms.serial import run_serial
-from vfl.datasets import get_spec, load
-from vfl.partition import random_blocks
-from vfl.problems import get_problem
+from vertical.algorithms.serial import run_serial
+from vertical.datasets import get_spec, load
+from vertical.partition import random_blocks
+from vertical.problems import get_problem
 
 NAME = "vfb2_lr_sweep"
 GRID = (5e-1, 1e-1, 5e-2, 1e-2, 5e-3, 1e-3)

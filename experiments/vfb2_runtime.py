@@ -10,7 +10,7 @@ jobs back to back, so every ratio compares runs that saw the same state of this 
    (``--straggler 3 --slowdown 0.4``) in *both*; each stops at sub-optimality 1e-3 (quick: 3e-2).
    Result: training time to the target and sync/async.
 2. **cost of federation** - the same VFB²-SVRG without a straggler (async, m = k = 2) against the same
-   update rules in one process (:func:`vfl.algorithms.serial.run_serial`, the same four feature blocks,
+   update rules in one process (:func:`vertical.algorithms.serial.run_serial`, the same four feature blocks,
    no messages, no masks): time per epoch and time to 1e-3, federated/serial.
 3. **k = 1 vs k = 2 worker threads** - VFB²-SGD, all four parties active (m = 4), ``--threads 1`` vs
    ``--threads 2``, half an epoch each: dominated updates per second.
@@ -45,10 +45,10 @@ from experiments._vfb2_runner import (
     time_to_target,
     write_rows,
 )
-from vfl.algorithms.serial import run_serial
-from vfl.datasets import load
-from vfl.partition import random_blocks
-from vfl.problems import get_problem
+from vertical.algorithms.serial import run_serial
+from vertical.datasets import load
+from vertical.partition import random_blocks
+from vertical.problems import get_problem
 
 NAME = "vfb2_runtime"
 PARTIES = 4

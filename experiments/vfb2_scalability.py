@@ -48,7 +48,7 @@ from experiments._vfb2_runner import (
     say,
     write_rows,
 )
-from vfl.datasets import get_spec
+from vertical.datasets import get_spec
 
 NAME = "vfb2_scalability"
 PROBLEM = "nonconvex-logistic"

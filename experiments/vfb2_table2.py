@@ -8,7 +8,7 @@ the paper's "Problem (7)") problem, and for every seed (the seed fixes the 80/20
 feature split and the sampling):
 
 * **NonF** - the same objective solved centrally on the pooled training data
-  (:func:`vfl.reference.solve_reference`, ``‖∇f‖ ≤ 1e-6``); trained independently, never copied;
+  (:func:`vertical.reference.solve_reference`, ``‖∇f‖ ≤ 1e-6``); trained independently, never copied;
 * **AFSVRG-VP** - ``--algorithm afsvrg-vp``: VFB²-SVRG without backward updating; half the parties hold
   labels and the other half's blocks stay at their initial zeros, so it can only reach the optimum of
   the problem restricted to the label holders' columns. *Decision*: it runs to **its own** convergence,
@@ -58,8 +58,8 @@ from experiments._vfb2_runner import (
     say,
     write_rows,
 )
-from vfl.datasets import Dataset, get_spec, load
-from vfl.partition import random_blocks
+from vertical.datasets import Dataset, get_spec, load
+from vertical.partition import random_blocks
 
 NAME = "vfb2_table2"
 PROBLEMS = {"logistic": "Problem (13), strongly convex", "nonconvex-logistic": "Problem (7), nonconvex"}

@@ -47,8 +47,8 @@ from experiments._vfb2_runner import (
     say,
     write_rows,
 )
-from vfl.datasets import Dataset, get_spec, load, split_to_party_files
-from vfl.partition import random_blocks
+from vertical.datasets import Dataset, get_spec, load, split_to_party_files
+from vertical.partition import random_blocks
 
 NAME = "vfb2_table3"
 PROBLEMS = {"least-squares": "Problem (17), least squares", "robust": "Problem (18), robust"}

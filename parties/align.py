@@ -1,6 +1,6 @@
 """``vfl align``: private set intersection of the parties' id columns over MPI (issue 17).
 
-Two halves. :func:`launch` runs in the user's process: it checks what it can see cheaply (files,
+Two halves. :func:`launch_alignment` runs in the user's process: it checks what it can see cheaply (files,
 headers), starts ``mpiexec -n q python -m mpi4py -m parties.align …`` and turns the job's outcome
 into one line and an exit code. :func:`run_rank` runs in each rank: it reads only its own file, runs
 the protocol of :mod:`protocols.psi` with buffer calls only (every message's size is known in
@@ -269,7 +269,7 @@ def _stop(comm, rank: int, line: str, code: int) -> None:
 
 
 def run_rank(argv: list[str] | None = None) -> None:
-    """The entry point of one rank under ``mpiexec`` (see :func:`launch`)."""
+    """The entry point of one rank under ``mpiexec`` (see :func:`launch_alignment`)."""
     from mpi4py import MPI
 
     args = _rank_parser().parse_args(argv)
@@ -339,7 +339,7 @@ def rank_command(parties: int, args: list[str]) -> list[str]:
 
 def run_job(parties: int, args: list[str], *,
             timeout: float | None = None) -> subprocess.CompletedProcess[str]:
-    """``mpiexec`` the ranks with this checkout importable; output captured for :func:`launch`."""
+    """``mpiexec`` the ranks with this checkout importable; output captured for :func:`launch_alignment`."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -347,7 +347,7 @@ def run_job(parties: int, args: list[str], *,
                           timeout=timeout, check=False)
 
 
-def launch(parties: int, ids: list[str], id_column: str, out: str) -> int:
+def launch_alignment(parties: int, ids: list[str], id_column: str, out: str) -> int:
     """``vfl align``: check the inputs, run the job, print the intersection size; an exit code."""
     if parties < 2:
         raise AlignInputError(f"-n must be at least 2 (got {parties})")

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vfl.algorithms.registry import ALGORITHMS, MODES, get_algorithm
+from vertical.algorithms.registry import ALGORITHMS, MODES, get_algorithm
 
 #: ``--updates auto`` goes lazy from this block width: below it the eager kernels' dense loop is
 #: cheaper than the lazy bookkeeping (measured: eager faster per update at d_l ≤ 1e3, lazy at 1e4;
@@ -313,7 +313,7 @@ def _check_parties(c: RunConfig) -> None:
 
 
 def _check_algorithm(c: RunConfig) -> None:
-    from vfl.problems import PROBLEMS
+    from vertical.problems import PROBLEMS
 
     algorithm = get_algorithm(c.algorithm)  # known: the table checked it
     if c.mode not in algorithm.modes:
@@ -336,7 +336,7 @@ def _check_stopping(c: RunConfig) -> None:
 
 def _check_label_privacy(c: RunConfig) -> None:
     if c.label_privacy == "dp":
-        from vfl.problems import PROBLEMS
+        from vertical.problems import PROBLEMS
 
         if PROBLEMS[c.problem].task != "binary":
             raise ConfigError("--label-privacy dp protects binary labels (randomized response): "

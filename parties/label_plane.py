@@ -21,13 +21,13 @@ from parties.control_plane import ControlPlane
 from parties.messages import AUDIT_HE_FULL_GRADIENT, AUDIT_HE_GRADIENT, MAX_MESSAGE_WORDS, TAG_HE_MASKED
 from protocols import label_he
 from protocols.errors import ProtocolViolation
-from vfl.label_privacy import clip_scales, row_norm_bound
+from vertical.label_privacy import clip_scales, row_norm_bound
 
 
 class PassBatches:
     """A dominator's batches under ``--label-privacy he --epsilon``: pass e is one permutation of the n
     rows cut into ⌊n/B⌋ batches, dealt to the m dominators in turn, so a row is in at most one batch a
-    pass and its privacy loss composes over passes, not steps (vfl/label_privacy.py). The seed is the
+    pass and its privacy loss composes over passes, not steps (vertical/label_privacy.py). The seed is the
     job's: every passive party sees each batch's rows anyway."""
 
     def __init__(self, n_rows: int, batch: int, dominators: int, index: int, seed: int) -> None:
@@ -90,7 +90,7 @@ class LabelPlane:
         ``--clip-quantile`` with the gradients computed from rows clipped to it) and tells the others (one
         buffer collective) c_l² and the fixed-point feature bits of its block; C = √(Σ_l c_l²) bounds
         every full row's gradient, and each block's batch gradient gets N(0, (σC)²) per coordinate
-        (vfl/label_privacy.py). Only the label holders draw noise, from OS entropy: a seed the others
+        (vertical/label_privacy.py). Only the label holders draw noise, from OS entropy: a seed the others
         know would let them subtract it. Semi-honest parties: a passive party that understated its
         bound would lower the noise every party gets."""
         party, block = self.party, self.party.block

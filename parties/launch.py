@@ -24,8 +24,8 @@ from parties.checkpoint import MANIFEST, complete_epochs
 from parties.config import ConfigError, RunConfig
 from parties.outcomes import EXIT_CODES, divergence_advice, find_stop
 from parties.plan import JobPlan, csv_party_folder, job_dataset, resolve
-from vfl.datasets.csv_parties import is_csv_folder
-from vfl.problems import get_problem
+from vertical.datasets.csv_parties import is_csv_folder
+from vertical.problems import get_problem
 
 # ------------------------------------------------------------------------------------------ launcher
 
@@ -43,7 +43,7 @@ def mpiexec_path() -> str:
 
 def reference_f_star(config: RunConfig | JobPlan) -> float:
     """f* of the job's problem on its pooled training data (the NonF reference)."""
-    from vfl.reference import solve_reference
+    from vertical.reference import solve_reference
 
     ds = job_dataset(config.dataset, config.seed, config.data_dir)
     problem = get_problem(config.problem, lam=config.lam)
@@ -58,8 +58,8 @@ def write_party_files(plan: JobPlan, out: Path) -> str:
     dataset (it would hold q copies of it at once), and the launcher loads it once for all. The
     folders are the memory-mappable layout: a rank maps its block instead of inflating a copy.
     """
-    from vfl.datasets import split_to_party_files
-    from vfl.partition import random_blocks
+    from vertical.datasets import split_to_party_files
+    from vertical.partition import random_blocks
 
     folder = out / "parties"
     if not (plan.resume and (folder / "manifest.json").exists()):
@@ -74,8 +74,8 @@ def write_party_files(plan: JobPlan, out: Path) -> str:
 def convert_csv_party_files(plan: JobPlan, out: Path) -> str:
     """Turn a ``--party-files`` folder of ``party-<p>.csv`` files into binary party files in
     ``<out>/party-files`` (checked already, by :func:`parties.plan.resolve`); returns that folder."""
-    from vfl.datasets.csv_parties import csv_parties_to_party_files
-    from vfl.problems import PROBLEMS
+    from vertical.datasets.csv_parties import csv_parties_to_party_files
+    from vertical.problems import PROBLEMS
 
     assert plan.party_files is not None
     source = Path(plan.party_files)

@@ -15,9 +15,9 @@ import numpy as np
 from parties.checkpoint import atomic_write
 from parties.plan import JobPlan
 from parties.runtime import PartyState
-from vfl.algorithms.registry import get_algorithm
-from vfl.algorithms.vfb2 import Block, SAGARule
-from vfl.problems import get_problem
+from vertical.algorithms.registry import get_algorithm
+from vertical.algorithms.vfb2 import Block, SAGARule
+from vertical.problems import get_problem
 
 
 def load_party(config: JobPlan, rank: int) -> PartyState:
@@ -26,7 +26,7 @@ def load_party(config: JobPlan, rank: int) -> PartyState:
     if config.party_files is None:
         raise ValueError("a rank reads only its own party file: the launcher writes them for a named "
                          "dataset (parties.launch.write_party_files)")
-    from vfl.datasets.party_files import find_party_file, load_party_file
+    from vertical.datasets.party_files import find_party_file, load_party_file
 
     data = load_party_file(find_party_file(config.party_files, rank), expect_labels=active)
     X_train, X_test, y_train, y_test = data.X_train, data.X_test, data.y_train, data.y_test
@@ -61,7 +61,7 @@ def noisy_labels(config: JobPlan, rank: int, y: np.ndarray, ids: np.ndarray) -> 
     resumed run reads the draw back, checked against the labels' ids and ε, and refuses without it.
     The draw is a secret only this party makes (OS entropy): a seed anyone could read would let them
     undo the flips."""
-    from vfl.label_privacy import randomized_response
+    from vertical.label_privacy import randomized_response
 
     path = config.party_folder(rank) / f"label-dp-{rank}.npz"
     digest = np.frombuffer(ids_digest(ids, np.zeros(0, dtype=np.int64)), dtype=np.uint8)

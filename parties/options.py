@@ -64,7 +64,7 @@ class RuntimeOptions:
     def from_config(cls, config, *, keys: ChannelKeys | None = None) -> RuntimeOptions:
         """The options of a ``vfl train`` run (:class:`~parties.config.RunConfig`); ``keys``: this
         party's channel keys under ``--secure-channels``."""
-        from vfl.algorithms.registry import get_algorithm
+        from vertical.algorithms.registry import get_algorithm
 
         return cls(
             active_ranks=tuple(range(config.active)), threads=config.worker_threads, seed=config.seed,

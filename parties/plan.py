@@ -158,7 +158,7 @@ def noise_multiplier(options: RunConfig, n_train: int) -> float | None:
     job's :func:`label_dp_releases`. Always derived, never read from a file: no stale value."""
     if options.label_privacy != "he" or options.epsilon is None or options.active == options.parties:
         return None  # the noise hides ϑ's labels from passive parties: without them there is none
-    from vfl.label_privacy import gaussian_noise_multiplier
+    from vertical.label_privacy import gaussian_noise_multiplier
 
     return gaussian_noise_multiplier(options.epsilon, options.delta, label_dp_releases(options, n_train))
 
@@ -169,9 +169,9 @@ def noise_multiplier(options: RunConfig, n_train: int) -> float | None:
 def _check_dataset(c: RunConfig) -> tuple[str, int]:
     """A named dataset: its real name (``news20`` -> ``news20-standin`` without the real file), and
     its training rows, once it is known to fit the job."""
-    from vfl.datasets import DatasetNotFoundError, get_spec
-    from vfl.datasets.registry import resolve_name
-    from vfl.problems import PROBLEMS
+    from vertical.datasets import DatasetNotFoundError, get_spec
+    from vertical.datasets.registry import resolve_name
+    from vertical.problems import PROBLEMS
 
     try:
         name = resolve_name(c.dataset, c.data_dir)
@@ -203,8 +203,8 @@ def _check_party_files(c: RunConfig, folder: Path) -> int:
     Checked here, before ``mpiexec``, when the files are all on this machine; each rank checks again
     (the ids by digest) in a deployment across hosts.
     """
-    from vfl.datasets.csv_parties import is_csv_folder
-    from vfl.problems import PROBLEMS
+    from vertical.datasets.csv_parties import is_csv_folder
+    from vertical.problems import PROBLEMS
 
     task = PROBLEMS[c.problem].task
     if is_csv_folder(folder):
@@ -221,7 +221,7 @@ def _check_party_files(c: RunConfig, folder: Path) -> int:
 
 
 def _load_party_files(c: RunConfig, folder: Path, task: str) -> list:
-    from vfl.datasets.party_files import check_aligned, find_party_file, load_party_file
+    from vertical.datasets.party_files import check_aligned, find_party_file, load_party_file
 
     missing = []
     for p in range(c.parties):
@@ -245,7 +245,7 @@ def _check_saga_table(c: RunConfig, n_rows: int, widest_block: int) -> None:
     """Exact SAGA's n × d_l table must fit its budget: refused here rather than by every rank."""
     if c.algorithm != "saga":
         return
-    from vfl.algorithms.vfb2 import check_saga_table_budget
+    from vertical.algorithms.vfb2 import check_saga_table_budget
 
     try:
         check_saga_table_budget(n_rows, widest_block, int(c.saga_table_budget * 2**30))
@@ -288,7 +288,7 @@ def check_he_batch(c: RunConfig, widest_passive_block: int, n_train: int) -> Non
 def job_dataset(name: str, seed: int, data_dir: str | None):
     """The job's named dataset, loaded once per launcher process (the checks, the NonF reference and
     the per-party files all use this one copy; ``job_dataset.cache_clear()`` lets it go)."""
-    from vfl.datasets import load
+    from vertical.datasets import load
 
     return load(name, seed=seed, data_dir=data_dir)
 
@@ -297,7 +297,7 @@ def job_dataset(name: str, seed: int, data_dir: str | None):
 def csv_party_folder(folder: str, parties: int, active: int, task: str):
     """A folder of ``party-<p>.csv`` files, loaded and checked once per launcher process (the checks and
     the conversion to binary party files share it; ``csv_party_folder.cache_clear()`` lets it go)."""
-    from vfl.datasets.csv_parties import load_csv_parties
+    from vertical.datasets.csv_parties import load_csv_parties
 
     try:
         return load_csv_parties(folder, parties, active, task)

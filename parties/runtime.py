@@ -61,8 +61,8 @@ from parties.messages import (
 from parties.options import RuntimeOptions
 from protocols.secure_aggregation import SecureAggregator
 from protocols.trees import build_all_tree_pairs
-from vfl.algorithms.vfb2 import Block, UpdateRule
-from vfl.problems import Problem
+from vertical.algorithms.vfb2 import Block, UpdateRule
+from vertical.problems import Problem
 
 __all__ = [
     "AUDIT_CONTROL_WORD", "AUDIT_CTRL_AGGREGATION", "AUDIT_FULL_THETA", "AUDIT_HE_FULL_GRADIENT",

@@ -254,8 +254,8 @@ class _Trainer:
         c = self.config
         if c.party_files is None or Path(c.party_files) == self.out / "parties":
             return c.dataset
-        from vfl.datasets.party_files import read_manifest
-        from vfl.datasets.validation import DataValidationError
+        from vertical.datasets.party_files import read_manifest
+        from vertical.datasets.validation import DataValidationError
 
         try:
             return f"{read_manifest(c.party_files).dataset} ({c.party_files})"
@@ -295,7 +295,7 @@ class _Trainer:
 
 
 def _score(task: str, z: np.ndarray, y: np.ndarray) -> float:
-    from vfl.metrics import accuracy, rmse
+    from vertical.metrics import accuracy, rmse
 
     if task == "binary":
         return accuracy(y, np.where(z >= 0, 1.0, -1.0))

@@ -17,7 +17,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def requires_dataset(name: str) -> pytest.MarkDecorator:
     """Mark a test that reads the registered dataset ``name``: it is skipped, with the folders that
     were searched as the reason, when the files are absent (``$VFL_DATA_DIR``, ``../shared/data``)."""
-    from vfl.datasets import data_dir_candidates, list_datasets
+    from vertical.datasets import data_dir_candidates, list_datasets
 
     present = {info.name: info.present for info in list_datasets()}
     folders = ", ".join(map(str, data_dir_candidates()))

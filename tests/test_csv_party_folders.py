@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_breast_cancer
 
+from vertical.datasets import load_party_file
+from vertical.datasets.csv_parties import csv_parties_to_party_files, load_csv_parties
 from vfl import VerticalLogisticRegression
 from vfl.cli import main
-from vfl.datasets import load_party_file
-from vfl.datasets.csv_parties import csv_parties_to_party_files, load_csv_parties
 
 ACTIVE = "id,age,income,label,split\n10,1.5,2,1,train\n11,2.5,3,0,train\n12,3.5,4,1,test\n13,0.5,1,0,train\n"
 PASSIVE = "id,visits,split\n10,7,train\n11,8,train\n12,9,test\n13,6,train\n"

@@ -12,7 +12,7 @@ import pytest
 import scipy.sparse as sp
 
 from tests.conftest import requires_dataset
-from vfl.datasets import (
+from vertical.datasets import (
     DatasetNotFoundError,
     DataValidationError,
     data_dir_candidates,
@@ -21,8 +21,8 @@ from vfl.datasets import (
     load,
     seeded_split,
 )
-from vfl.datasets.credit import GMSC_FEATURES, GMSC_LABEL, load_give_me_some_credit, load_uci_credit_card
-from vfl.datasets.paths import DATA_DIR_ENV, candidate_paths
+from vertical.datasets.credit import GMSC_FEATURES, GMSC_LABEL, load_give_me_some_credit, load_uci_credit_card
+from vertical.datasets.paths import DATA_DIR_ENV, candidate_paths
 
 REQUIRED_NAMES = {
     "a9a": (), "w8a": (), "credit-card": ("d1", "uci-credit-card"), "give-me-some-credit": ("d2",),
@@ -129,7 +129,7 @@ def write_text(path: Path, text: str) -> Path:
 def test_libsvm_file_through_the_registry(tmp_path: Path, suffix: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     write_text(tmp_path / f"a9a{suffix}", LIBSVM_TEXT)
-    monkeypatch.setattr("vfl.datasets.registry._BY_NAME", {
+    monkeypatch.setattr("vertical.datasets.registry._BY_NAME", {
         "a9a": dataclasses.replace(get_spec("a9a"), n_rows=5, n_features=6)})
     ds = load("a9a", seed=1, data_dir=tmp_path)
     assert sp.isspmatrix_csr(ds.X_train) and ds.X_train.dtype == np.float64
@@ -292,7 +292,7 @@ def test_feature_count_mismatch_is_an_error_or_for_d2_a_warning(tmp_path: Path,
     write_uci_csv(tmp_path / "UCI_Credit_Card.csv", 50)
     rows = [gmsc_row(i, i % 2, i % 4, str(i % 3), str(1000 * i)) for i in range(1, 21)]
     (tmp_path / "cs-training.csv").write_text("\n".join([GMSC_HEADER, *rows]) + "\n")
-    monkeypatch.setattr("vfl.datasets.registry._BY_NAME", {
+    monkeypatch.setattr("vertical.datasets.registry._BY_NAME", {
         "d1": dataclasses.replace(get_spec("d1"), n_rows=50),
         "d2": dataclasses.replace(get_spec("d2"), n_rows=20)})
     with pytest.raises(DataValidationError, match=r"'credit-card': \d+ features after prepro.*expected 90"):

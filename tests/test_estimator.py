@@ -9,9 +9,9 @@ from sklearn.base import clone
 from sklearn.datasets import load_breast_cancer, load_diabetes
 from sklearn.preprocessing import StandardScaler
 
+from vertical.problems import get_problem
+from vertical.reference import solve_reference
 from vfl import VerticalLinearRegression, VerticalLogisticRegression
-from vfl.problems import get_problem
-from vfl.reference import solve_reference
 
 pytestmark = pytest.mark.mpi
 

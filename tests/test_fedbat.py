@@ -10,22 +10,22 @@ import pytest
 import torch
 from torch import nn
 
-from protocols.compression import get_compressor
-from protocols.compression.layers import LayerCodec
-from vfl.hfl import FederatedData
-from vfl.hfl.binarize import BinarizeUpdate, binarize, step_size
-from vfl.hfl.cnn import ResNet10, Table4CNN, binarized_names
-from vfl.hfl.fedavg import LayeredFedAvg
-from vfl.hfl.fedbat import FedBAT
-from vfl.hfl.fedpaq import FedPAQ, LayeredFedPAQ
-from vfl.hfl.layered import FederatedCNN, LocalTrainer, LocalTraining, aggregate
-from vfl.hfl.partitions import labels_per_client_partition
-from vfl.hfl.signsgd import (
+from horizontal import FederatedData
+from horizontal.binarize import BinarizeUpdate, binarize, step_size
+from horizontal.cnn import ResNet10, Table4CNN, binarized_names
+from horizontal.fedavg import LayeredFedAvg
+from horizontal.fedbat import FedBAT
+from horizontal.fedpaq import FedPAQ, LayeredFedPAQ
+from horizontal.layered import FederatedCNN, LocalTrainer, LocalTraining, aggregate
+from horizontal.partitions import labels_per_client_partition
+from horizontal.signsgd import (
     EFSignSGD,
     NoisySignSGD,
     SignSGD,
     StocSignSGD,
 )
+from protocols.compression import get_compressor
+from protocols.compression.layers import LayerCodec
 
 D64 = torch.float64
 CODEC = LayerCodec()
@@ -411,7 +411,7 @@ def test_float_messages_roundtrip_exactly_and_wrong_lengths_are_rejected() -> No
 def test_quick_experiment_writes_tables_and_real_bit_counts(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     from experiments import fedbat_table1
-    from vfl.datasets.paths import DatasetNotFoundError
+    from vertical.datasets.paths import DatasetNotFoundError
     try:
         fedbat_table1.fmnist(1200, 1000)
     except DatasetNotFoundError as exc:
@@ -440,7 +440,7 @@ def test_a_diverging_run_is_recorded_not_fatal(tmp_path, monkeypatch) -> None:
     """A campaign goes on past a diverged run (at full scale, ρ = 10 without the released code's α clamp
     does), and the table says "diverged" instead of printing NaN."""
     from experiments import fedbat_table1
-    from vfl.datasets.paths import DatasetNotFoundError
+    from vertical.datasets.paths import DatasetNotFoundError
     try:
         fedbat_table1.fmnist(1200, 1000)
     except DatasetNotFoundError as exc:

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from horizontal import FedAvg, FedComGate, FederatedData, FederatedSimulation, FLConfig, LeastSquares
+from horizontal.base import Algorithm
 from protocols.compression import Payload, get_compressor
-from vfl.hfl import FedAvg, FedComGate, FederatedData, FederatedSimulation, FLConfig, LeastSquares
-from vfl.hfl.base import Algorithm
 
 N_CLIENTS, ROWS, DIM = 6, 10, 4
 

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import requires_dataset
-from vfl.hfl.data import FederatedData
-from vfl.hfl.dro_objectives import (
+from horizontal.data import FederatedData
+from horizontal.dro_objectives import (
     ERM,
     KLDRO,
     AffineBatch,
@@ -21,10 +20,11 @@ from vfl.hfl.dro_objectives import (
     p1_problem,
     p2_problem,
 )
-from vfl.hfl.feddro import CompositionalSimulation, FedDRO, FederatedDRO, StepDecay
-from vfl.hfl.models import small_cnn
-from vfl.hfl.models import torch_mlp as mlp
-from vfl.hfl.partitions import imbalanced_st_indices, shard_partition
+from horizontal.feddro import CompositionalSimulation, FedDRO, FederatedDRO, StepDecay
+from horizontal.models import small_cnn
+from horizontal.models import torch_mlp as mlp
+from horizontal.partitions import imbalanced_st_indices, shard_partition
+from tests.conftest import requires_dataset
 
 P2_X0 = torch.tensor([2.0, 2.0], dtype=torch.float64)
 ROWS = 10
@@ -472,8 +472,8 @@ def test_st_indices_keep_the_last_rows_of_the_first_half_of_the_classes():
 @pytest.mark.data
 @requires_dataset("fashion-mnist")
 def test_fashion_mnist_st_has_the_paper_construction():
-    from vfl.datasets import load
-    from vfl.hfl.partitions import iid_partition
+    from horizontal.partitions import iid_partition
+    from vertical.datasets import load
     ds = load("fashion-mnist")
     kept = imbalanced_st_indices(ds.y_train)
     counts = np.bincount(ds.y_train[kept], minlength=10)

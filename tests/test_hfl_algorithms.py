@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from protocols.compression import get_compressor
-from vfl.hfl import (
+from horizontal import (
     FedAvg,
     FedComGate,
     FedEF,
@@ -23,7 +22,8 @@ from vfl.hfl import (
     least_squares_optimum,
     make_algorithm,
 )
-from vfl.hfl.base import Algorithm
+from horizontal.base import Algorithm
+from protocols.compression import get_compressor
 
 N_CLIENTS, ROWS, DIM = 8, 12, 5
 

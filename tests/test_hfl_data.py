@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from vfl.hfl import FederatedData, dirichlet_partition, iid_partition, shard_partition
+from horizontal import FederatedData, dirichlet_partition, iid_partition, shard_partition
 
 
 def assert_exact_cover(parts: list[np.ndarray], n_rows: int) -> None:

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from protocols.compression import get_compressor
-from vfl.hfl import (
+from horizontal import (
     MLP,
     FedAvg,
     FederatedData,
@@ -24,7 +23,8 @@ from vfl.hfl import (
     Scaffold,
     shard_partition,
 )
-from vfl.hfl.rounds import check_finite
+from horizontal.rounds import check_finite
+from protocols.compression import get_compressor
 
 N, ROWS, DIM = 6, 10, 4
 
@@ -153,7 +153,7 @@ def test_configuration_errors_are_clear() -> None:
 
 
 def test_mlp_learns_label_shards_of_real_digits_and_scaffold_beats_fedavg() -> None:
-    from vfl.datasets import load
+    from vertical.datasets import load
 
     ds = load("digits")
     parts = shard_partition(ds.y_train, 20, 2, np.random.default_rng(0))
@@ -170,7 +170,7 @@ def test_mlp_learns_label_shards_of_real_digits_and_scaffold_beats_fedavg() -> N
 
 
 def test_a_diverging_run_stops_at_the_round_it_diverged_naming_the_state() -> None:
-    """The one divergence check (``vfl.hfl.rounds.check_finite``, run by the shared server step) stops the
+    """The one divergence check (``horizontal.rounds.check_finite``, run by the shared server step) stops the
     simulation at the round whose record would hold NaNs, naming the algorithm, the tensor and the round."""
     sim = quadratic_simulation(FedAvg(), lr_local=50.0)
     with pytest.raises(FloatingPointError) as raised:

@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from protocols.compression import get_compressor
-from tests.test_hfl_algorithms import assert_same_trajectory
-from vfl.hfl import (
+from horizontal import (
     FedAvg,
     FederatedData,
     FederatedSimulation,
@@ -23,7 +21,9 @@ from vfl.hfl import (
     least_squares_optimum,
     make_algorithm,
 )
-from vfl.hfl.base import Algorithm
+from horizontal.base import Algorithm
+from protocols.compression import get_compressor
+from tests.test_hfl_algorithms import assert_same_trajectory
 
 N_CLIENTS, ROWS, DIM = 8, 12, 5
 

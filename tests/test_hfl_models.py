@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from vfl.hfl import MLP, LeastSquares, least_squares_optimum, softmax_regression
+from horizontal import MLP, LeastSquares, least_squares_optimum, softmax_regression
 
 
 def reference_mlp_loss(model: MLP, w: torch.Tensor, X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -101,8 +101,8 @@ def _mlp_to_torch_layout(w: torch.Tensor, model: MLP) -> torch.Tensor:
 def test_a_vmapped_torch_module_is_the_same_model_protocol_as_the_hand_written_mlp() -> None:
     """TorchModel (autograd through vmap) and MLP (hand-written backward) agree on loss, gradient and
     evaluation, and a flat algorithm (SCAFFOLD) follows the same trajectory on either."""
-    from vfl.hfl import FederatedData, FederatedSimulation, FLConfig, Scaffold
-    from vfl.hfl.models import torch_mlp
+    from horizontal import FederatedData, FederatedSimulation, FLConfig, Scaffold
+    from horizontal.models import torch_mlp
 
     hand, auto = MLP(12, (7,), 3), torch_mlp(12, (7,), 3)
     assert hand.dim == auto.dim

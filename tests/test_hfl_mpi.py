@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from horizontal import FederatedSimulation, Message
 from parties.hfl import (
     HflConfig,
     build_algorithm,
@@ -32,7 +33,6 @@ from parties.hfl.wire import WireError, decode_uplink, encode_uplink, pack_vecto
 from protocols.compression import get_compressor
 from tests.conftest import REPO_ROOT
 from tests.hfl_mpi_cases import case_config, run_cases
-from vfl.hfl import FederatedSimulation, Message
 
 SMALL = HflConfig(dataset="digits", model="softmax", dtype="float64", clients=6, per_round=3, local_steps=3,
                   batch_size=8, rounds=5, eval_every=2, processes=2, lr_local=0.2, progress=False,

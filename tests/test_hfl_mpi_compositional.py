@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from horizontal.feddro import CompositionalSimulation, FederatedDRO
 from parties.hfl import HflConfig, build_algorithm, load_training_data, main, validate
 from parties.hfl.compositional import _read_rows
 from parties.hfl.config import build_dro_model, build_objective
 from parties.hfl.wire import WireError
 from tests.hfl_mpi_cases import case_config, run_cases
-from vfl.hfl.feddro import CompositionalSimulation, FederatedDRO
 
 SMALL = HflConfig(algorithm="feddro", dataset="digits", model="softmax", dtype="float64", clients=6,
                   per_round=6, batch_size=8, lr_local=0.1, rounds=4, eval_every=2, processes=2,

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from horizontal.engine import Streams
+from horizontal.layered import FederatedCNN, ModelLayout
+from horizontal.rounds import sample_clients
 from parties.hfl import HflConfig, build_algorithm, client_blocks, load_training_data, main, validate
 from parties.hfl.config import build_cnn
 from parties.hfl.layered import LayeredServerRank, pack_state, unpack_state
 from parties.hfl.wire import WireError
 from tests.hfl_mpi_cases import case_config, run_cases
-from vfl.hfl.engine import Streams
-from vfl.hfl.layered import FederatedCNN, ModelLayout
-from vfl.hfl.rounds import sample_clients
 
 SMALL = HflConfig(dataset="digits", model="cnn", widths=[4, 8, 8], clients=6, per_round=3, local_epochs=2,
                   batch_size=16, lr_local=0.05, rounds=4, eval_every=2, processes=2, progress=False,

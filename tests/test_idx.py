@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vfl.datasets import get_spec, load
-from vfl.datasets.idx import IdxFormatError, load_idx_image_dataset, read_idx
-from vfl.datasets.paths import data_dir_candidates
+from vertical.datasets import get_spec, load
+from vertical.datasets.idx import IdxFormatError, load_idx_image_dataset, read_idx
+from vertical.datasets.paths import data_dir_candidates
 
 IDX_CODES = {np.dtype(np.uint8): 0x08, np.dtype(np.int8): 0x09, np.dtype(">i2"): 0x0B,
              np.dtype(">i4"): 0x0C, np.dtype(">f4"): 0x0D, np.dtype(">f8"): 0x0E}

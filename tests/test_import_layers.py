@@ -1,13 +1,18 @@
-"""The import graph of ``vfl/``, ``parties/`` and ``protocols/`` has no cycles and points down the layers.
+"""The import graph of the packages has no cycles and points down the layers, with no exception.
 
 Read from the source (AST), so every import counts: module level, inside functions, and the type-only
 ones under ``if TYPE_CHECKING:`` (a cycle hidden there still couples the two modules). ``from pkg import
 name`` points at the submodule ``pkg.name`` when there is one, else at the package ``pkg``; a package's
 ``__init__`` running first is Python's, not an edge (else every package with submodules would be a cycle).
 
-Layers: ``protocols`` (codecs, transports) and ``vfl`` (the algorithms) import neither each other nor
-``parties``, which runs them across processes; compressors reach ``vfl.hfl`` by injection. The entry
-points that start a run, ``vfl.cli`` and ``vfl.estimator``, are the exception: they call into ``parties``.
+The layers, top to bottom (README, "Layout"; ``docs/design.md``):
+
+* ``vfl`` - the command line, the estimators, the plots of a run folder: what a user calls;
+* ``parties`` - processes: one MPI rank per party, launch, checkpoints, the horizontal ranks;
+* ``vertical`` (the vertical learning core), ``horizontal`` (the horizontal core) and ``protocols`` (the
+  wire): none of them imports another; compressors reach ``horizontal`` by injection.
+
+A package imports only the layers below its own. ``experiments`` stands above all of them.
 
 One more source-hygiene check lives here: comments and docstrings point only inside the repository.
 """
@@ -21,9 +26,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("vfl", "parties", "protocols")
-ENTRY_POINTS = {"vfl.cli", "vfl.estimator"}
-MAY_NOT_IMPORT = {"protocols": ("vfl", "parties"), "vfl": ("parties", "protocols")}
+#: top to bottom; the packages of one layer import none of each other
+LAYERS = (("vfl",), ("parties",), ("vertical", "horizontal", "protocols"))
+PACKAGES = tuple(package for layer in LAYERS for package in layer)
+LAYER_OF = {package: depth for depth, layer in enumerate(LAYERS) for package in layer}
 SCANNED = (*PACKAGES, "experiments", "tests")
 SPEC_POINTER = re.compile(r"spec ?§|-spec\b|spec\.md|trap T\d+|(?<![A-Za-z])§\d")
 
@@ -93,12 +99,25 @@ def test_no_import_cycles() -> None:
     assert cycles(import_graph(_modules())) == []
 
 
+def points_down(source: str, target: str) -> bool:
+    """Whether ``source`` may import ``target``: its own package, or any package of a lower layer."""
+    mine, theirs = source.split(".")[0], target.split(".")[0]
+    return mine == theirs or LAYER_OF[theirs] > LAYER_OF[mine]
+
+
 def test_imports_point_down_the_layers() -> None:
     wrong = [f"{source} imports {target}" for source, targets in import_graph(_modules()).items()
-             if source not in ENTRY_POINTS
-             for target in sorted(targets)
-             if target.split(".")[0] in MAY_NOT_IMPORT.get(source.split(".")[0], ())]
+             for target in sorted(targets) if not points_down(source, target)]
     assert wrong == []
+
+
+def test_the_layer_rule_refuses_up_and_sideways_imports() -> None:
+    """The rule itself: down is allowed; up, and sideways within the bottom layer, are not."""
+    assert points_down("vfl.cli", "parties.launch") and points_down("parties.training", "vertical.problems")
+    assert points_down("vertical.kernels", "vertical.problems")
+    assert not points_down("parties.training", "vfl.cli")
+    assert not points_down("vertical.problems", "protocols.masking")
+    assert not points_down("protocols.compression.base", "horizontal.base")
 
 
 @pytest.mark.parametrize("type_only", [False, True])

@@ -14,7 +14,7 @@ import pytest
 from experiments.label_attacks import Transcript, attack_all, main
 from parties.runtime import AUDIT_CONTROL_WORD, AUDIT_CTRL_AGGREGATION, AUDIT_FULL_THETA, TAG_THETA
 from tests.test_runtime import CANCER, train
-from vfl.datasets import load
+from vertical.datasets import load
 
 pytestmark = pytest.mark.mpi
 

@@ -35,11 +35,11 @@ from protocols import label_he
 from protocols.errors import ProtocolViolation
 from tests.conftest import run_mpi
 from tests.test_runtime import CANCER, LAM, metrics, train
-from vfl.algorithms.vfb2 import Block
-from vfl.datasets import load
-from vfl.datasets.party_files import find_party_file, load_party_file
-from vfl.label_privacy import clip_scales, row_norm_bound
-from vfl.problems import get_problem
+from vertical.algorithms.vfb2 import Block
+from vertical.datasets import load
+from vertical.datasets.party_files import find_party_file, load_party_file
+from vertical.label_privacy import clip_scales, row_norm_bound
+from vertical.problems import get_problem
 
 # --------------------------------------------------------------------------------- the HE protocol
 

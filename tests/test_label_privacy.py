@@ -13,8 +13,8 @@ from parties.config import ConfigError, RunConfig, validate
 from parties.loading import noisy_labels
 from parties.plan import JobPlan, label_dp_releases, resolve
 from tests.test_runtime import train
-from vfl.datasets import load
-from vfl.label_privacy import (
+from vertical.datasets import load
+from vertical.label_privacy import (
     clip_scales,
     flip_probability,
     gaussian_epsilon,

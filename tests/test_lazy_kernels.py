@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from vfl import kernels
-from vfl.algorithms.serial import run_serial
-from vfl.algorithms.vfb2 import Block, get_rule, saga_table_bytes
-from vfl.problems import REG_L2, REG_NONCONVEX, REGULARIZERS, get_problem
+from vertical import kernels
+from vertical.algorithms.serial import run_serial
+from vertical.algorithms.vfb2 import Block, get_rule, saga_table_bytes
+from vertical.problems import REG_L2, REG_NONCONVEX, REGULARIZERS, get_problem
 
 REGS = ["l2", "nonconvex", "none"]
 LAZY_RULES = ["sgd", "svrg", "saga-scalar"]
@@ -34,7 +34,7 @@ LAZY_RULES = ["sgd", "svrg", "saga-scalar"]
 # ------------------------------------------------------------------ copies of the pre-batch formulas
 
 
-#: The numpy regularisers of ``vfl.problems`` by kernel code: the definition the kernels' inlined
+#: The numpy regularisers of ``vertical.problems`` by kernel code: the definition the kernels' inlined
 #: ``_reg_grad`` must reproduce, used here as the reference instead of a copy of it.
 _REGULARIZER_BY_CODE = {cls().kernel_code: cls() for cls in REGULARIZERS.values()}
 

@@ -44,7 +44,7 @@ def no_files():
     """Any attempt to read a file inside the block fails the test (the modules validation imports are
     imported first: a module's own set-up may read a file, and that is no data)."""
     import protocols.label_he  # noqa: F401
-    import vfl.problems  # noqa: F401
+    import vertical.problems  # noqa: F401
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"validate read a file: {args[:1]}")

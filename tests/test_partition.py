@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from vfl.partition import block_of, blocks_from_columns, contiguous_blocks, random_blocks
+from vertical.partition import block_of, blocks_from_columns, contiguous_blocks, random_blocks
 
 
 def assert_partition(blocks: list[np.ndarray], n_features: int) -> None:
@@ -81,7 +81,7 @@ def test_block_of_keeps_csr_and_matches_dense_slicing() -> None:
 
 
 def test_auto_column_order_renumbers_only_wide_blocks() -> None:
-    from vfl.partition import AUTO_FREQUENCY_WIDTH, order_columns
+    from vertical.partition import AUTO_FREQUENCY_WIDTH, order_columns
 
     rng = np.random.default_rng(0)
     for width in (1000, AUTO_FREQUENCY_WIDTH + 1):

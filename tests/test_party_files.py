@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from vfl.datasets import Dataset, DataValidationError, load
-from vfl.datasets.party_files import (
+from vertical.datasets import Dataset, DataValidationError, load
+from vertical.datasets.party_files import (
     PartyData,
     assemble_features,
     check_aligned,
@@ -18,7 +18,7 @@ from vfl.datasets.party_files import (
     read_manifest,
     split_to_party_files,
 )
-from vfl.partition import contiguous_blocks, random_blocks
+from vertical.partition import contiguous_blocks, random_blocks
 
 
 def sparse_dataset(n_train: int = 40, n_test: int = 10, n_features: int = 17) -> Dataset:

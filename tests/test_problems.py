@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from vfl.metrics import accuracy, rmse
-from vfl.problems import (
+from vertical.metrics import accuracy, rmse
+from vertical.problems import (
     L2,
     PROBLEMS,
     LogisticLoss,

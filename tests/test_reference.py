@@ -7,9 +7,9 @@ import pytest
 import scipy.sparse as sp
 
 from tests.conftest import requires_dataset
-from vfl.metrics import accuracy, rmse
-from vfl.problems import get_problem
-from vfl.reference import evaluate, solve_reference
+from vertical.metrics import accuracy, rmse
+from vertical.problems import get_problem
+from vertical.reference import evaluate, solve_reference
 
 
 def logistic_data(n: int = 400, d: int = 25, seed: int = 0):
@@ -125,7 +125,7 @@ def test_a9a_logistic_matches_scikit_learn() -> None:
     """
     from sklearn.linear_model import LogisticRegression
 
-    from vfl.datasets import load
+    from vertical.datasets import load
 
     data = load("a9a", seed=0)
     lam = 1e-4

@@ -14,7 +14,7 @@ from parties.config import ConfigError, RunConfig, build_parser, from_args
 from parties.launch import run_folder
 from parties.plan import JobPlan
 from tests.conftest import REPO_ROOT
-from vfl.algorithms.registry import ALGORITHMS
+from vertical.algorithms.registry import ALGORITHMS
 
 
 @pytest.mark.mpi
@@ -62,9 +62,9 @@ def test_with_a_named_dataset_each_rank_reads_only_its_own_block(tmp_path):
 
     from parties.loading import load_party
     from tests.test_runtime import CANCER, train
-    from vfl.datasets import load, load_party_file
-    from vfl.datasets.party_files import find_party_file
-    from vfl.partition import random_blocks
+    from vertical.datasets import load, load_party_file
+    from vertical.datasets.party_files import find_party_file
+    from vertical.partition import random_blocks
 
     train(tmp_path, "-n", "3", "-m", "1", "--epochs", "1", *CANCER)
     config = json.loads((tmp_path / "config.json").read_text())

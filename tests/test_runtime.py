@@ -23,10 +23,10 @@ from parties.runtime import AUDIT_FULL_THETA, AUDIT_LABELS, TAG_DONE, TAG_HEARTB
 from protocols.aggregation import HEADER_WORDS, Kind
 from protocols.transport import AGGREGATION_TAG
 from tests.conftest import REPO_ROOT, run_mpi
-from vfl.datasets import Dataset, load, split_to_party_files
-from vfl.partition import random_blocks
-from vfl.problems import get_problem
-from vfl.reference import evaluate, solve_reference
+from vertical.datasets import Dataset, load, split_to_party_files
+from vertical.partition import random_blocks
+from vertical.problems import get_problem
+from vertical.reference import evaluate, solve_reference
 
 pytestmark = pytest.mark.mpi
 

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
+from vertical.datasets import DataValidationError, load, load_party_file, split_to_party_files
+from vertical.datasets.party_files import check_aligned, find_party_file, read_manifest
+from vertical.datasets.registry import resolve_name
+from vertical.datasets.stream_split import split_libsvm_file
+from vertical.datasets.synth import SHAPES, _Generator, read_sidecar, write_standin
+from vertical.partition import random_blocks
 from vfl.cli import main as vfl
-from vfl.datasets import DataValidationError, load, load_party_file, split_to_party_files
-from vfl.datasets.party_files import check_aligned, find_party_file, read_manifest
-from vfl.datasets.registry import resolve_name
-from vfl.datasets.stream_split import split_libsvm_file
-from vfl.datasets.synth import SHAPES, _Generator, read_sidecar, write_standin
-from vfl.partition import random_blocks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,9 +120,9 @@ def test_frequency_column_order_renumbers_each_block_and_changes_nothing_else(tm
     """--column-order frequency: each party's block lists its columns by descending count of nonzeros
     (streamed and in memory bit for bit alike), every row's local indices stay sorted, the features
     reassemble to the original matrix, and serial training gives the same model mapped back."""
-    from vfl.algorithms.serial import run_serial
-    from vfl.datasets.party_files import assemble_features
-    from vfl.problems import get_problem
+    from vertical.algorithms.serial import run_serial
+    from vertical.datasets.party_files import assemble_features
+    from vertical.problems import get_problem
 
     write_standin(tmp_path / "news20-standin.svm", "news20", n_rows=120, seed=5, mean_nnz=40)
     streamed = split_libsvm_file(tmp_path / "news20-standin.svm", 3, [0], tmp_path / "s", seed=2,
@@ -172,7 +172,7 @@ def test_streaming_split_equals_the_in_memory_split(tmp_path: Path) -> None:
     X, y = load_svmlight_file(str(tmp_path / "tiny.svm"), zero_based=True)
     parties = [load_party_file(p) for p in streamed]
     check_aligned(parties)
-    from vfl.datasets.party_files import assemble_features
+    from vertical.datasets.party_files import assemble_features
 
     X_train, _ = assemble_features(parties)
     train_ids = parties[0].train_ids
@@ -202,7 +202,7 @@ def test_split_parse_errors_name_file_and_line(tmp_path: Path, text: str, messag
 def _rss_growth_of_split(small: Path, big: Path, out: Path, chunk_bytes: int) -> int:
     """How much (bytes) a fresh process's peak RSS grows when it splits ``big``, after it has split
     ``small`` (same imports, same code paths warmed up) into 4 party folders."""
-    code = (f"import resource; from vfl.datasets.stream_split import split_libsvm_file as split; "
+    code = (f"import resource; from vertical.datasets.stream_split import split_libsvm_file as split; "
             f"peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
             f"split({str(small)!r}, 4, [0], {str(out / 'small')!r}, chunk_bytes={chunk_bytes}); "
             f"before = peak(); "
@@ -244,7 +244,7 @@ def test_split_of_a_file_larger_than_the_memory_cap_stays_bounded(tmp_path: Path
 
 def _sparse_dataset(n: int = 300, d: int = 90, seed: int = 0):
     """A small sparse binary dataset, in memory."""
-    from vfl.datasets import Dataset
+    from vertical.datasets import Dataset
 
     rng = np.random.default_rng(seed)
     X = sp.random(n, d, density=0.1, format="csr", random_state=seed)

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 from tests.test_runtime import CANCER, metrics, train
-from vfl.datasets import DatasetNotFoundError
+from vertical.datasets import DatasetNotFoundError
 
 pytestmark = pytest.mark.mpi
 

@@ -8,10 +8,10 @@ import scipy.sparse as sp
 from sklearn.datasets import load_breast_cancer
 from sklearn.preprocessing import StandardScaler
 
-from vfl.algorithms.serial import run_serial
-from vfl.algorithms.vfb2 import Block, get_rule
-from vfl.problems import get_problem
-from vfl.reference import solve_reference
+from vertical.algorithms.serial import run_serial
+from vertical.algorithms.vfb2 import Block, get_rule
+from vertical.problems import get_problem
+from vertical.reference import solve_reference
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,10 @@
 """vfl: vertical federated learning (VFB²) on MPI, plus horizontal compressed FL.
 
-Layers (imports point down only): ``experiments`` → ``parties`` → ``protocols`` → ``vfl``.
-``vfl`` is the learning core and knows nothing of MPI; the estimators below start MPI jobs through
-``parties``, imported only when they are used (see ``README.md``, "Design").
+This package is what a user calls: the ``vfl`` command line, the scikit-learn estimators and the plots
+of a run folder. Layers, imports pointing down only (``tests/test_import_layers.py`` checks them):
+``vfl`` → ``parties`` (processes) → ``vertical`` (the vertical learning core), ``horizontal`` (the
+horizontal core) and ``protocols`` (the wire), which import none of each other. The estimators start
+MPI jobs through ``parties``, imported only when they are used (``docs/design.md``).
 """
 
 __version__ = "0.1.0"

@@ -2,8 +2,8 @@
 ``plot``, ``keygen``, ``hfl-train``, ``hfl-split``.
 
 Each subcommand validates its options here, at the edge, and turns library errors into one readable
-line and exit code 2 (never a traceback for a user mistake). ``train`` imports ``parties`` lazily: the
-learning core does not depend on the MPI layer.
+line and exit code 2 (never a traceback for a user mistake). ``train`` imports ``parties`` lazily, so
+``vfl datasets`` or ``vfl split`` start without MPI.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 
 def _cmd_datasets(args: argparse.Namespace) -> int:
-    from vfl.datasets import list_datasets
+    from vertical.datasets import list_datasets
 
     rows = list_datasets(args.data_dir)
     name_w = max(len(r.name) for r in rows)
@@ -37,13 +37,13 @@ def _is_file_argument(text: str) -> bool:
 
 
 def _cmd_split(args: argparse.Namespace) -> int:
-    from vfl.datasets import load, split_to_party_files
-    from vfl.partition import contiguous_blocks, random_blocks
+    from vertical.datasets import load, split_to_party_files
+    from vertical.partition import contiguous_blocks, random_blocks
 
     active = _parse_active(args.active, args.parties)
     partition_seed = args.seed if args.partition_seed is None else args.partition_seed
     if args.dataset.lower().endswith(".csv"):
-        from vfl.datasets.csv_parties import csv_file_dataset
+        from vertical.datasets.csv_parties import csv_file_dataset
 
         ds = csv_file_dataset(args.dataset, args.task or "binary", args.seed)
         blocks = (contiguous_blocks(ds.n_features, args.parties) if args.contiguous
@@ -52,7 +52,7 @@ def _cmd_split(args: argparse.Namespace) -> int:
                                      overwrite=args.overwrite, layout=args.format,
                                      column_order=args.column_order)
     elif _is_file_argument(args.dataset):
-        from vfl.datasets.stream_split import split_libsvm_file
+        from vertical.datasets.stream_split import split_libsvm_file
 
         if args.format != "folder":
             raise ValueError("a LIBSVM file is split in streaming into party folders: --format npz is for "
@@ -70,7 +70,7 @@ def _cmd_split(args: argparse.Namespace) -> int:
         paths = split_to_party_files(ds, blocks, active, args.out, partition_seed=partition_seed,
                                      overwrite=args.overwrite, layout=args.format,
                                      column_order=args.column_order)
-    from vfl.datasets.party_files import read_manifest
+    from vertical.datasets.party_files import read_manifest
 
     manifest = read_manifest(args.out)
     for p, path in enumerate(paths):
@@ -84,7 +84,7 @@ def _cmd_split(args: argparse.Namespace) -> int:
 def _cmd_synth(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vfl.datasets.synth import standin_file_name, write_standin
+    from vertical.datasets.synth import standin_file_name, write_standin
 
     out = Path(args.out)
     if out.is_dir():
@@ -115,9 +115,9 @@ def _parse_active(text: str, q: int) -> list[int]:
 
 
 def _cmd_reference(args: argparse.Namespace) -> int:
-    from vfl.datasets import load
-    from vfl.problems import get_problem
-    from vfl.reference import evaluate, solve_reference
+    from vertical.datasets import load
+    from vertical.problems import get_problem
+    from vertical.reference import evaluate, solve_reference
 
     ds = load(args.dataset, seed=args.seed, data_dir=args.data_dir)
     problem = get_problem(args.problem, lam=args.lam)
@@ -164,9 +164,9 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _cmd_align(args: argparse.Namespace) -> int:
-    from parties.align import launch
+    from parties.align import launch_alignment
 
-    return launch(args.parties, args.ids, args.id_column, args.out)
+    return launch_alignment(args.parties, args.ids, args.id_column, args.out)
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from vfl.plotting import plot_runs

@@ -10,7 +10,7 @@ is the whole weight vector. Assembling it is possible only because this simulati
 in one process: in a deployment each party keeps its own block and ``vfl predict`` scores rows through
 secure aggregation. ``predict``/``decision_function`` here compute ``X @ coef_`` locally.
 
-The MPI layer is imported only inside ``fit``: the learning core (``vfl``) does not depend on it.
+The MPI layer is imported only inside ``fit``: importing the estimators starts no MPI.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from sklearn.utils.validation import check_is_fitted
 
 
 class _VerticalEstimator(BaseEstimator):
-    """Shared by the classifier and the regressor; ``_problem`` names the loss (``vfl.problems``)."""
+    """Shared by the classifier and the regressor; ``_problem`` names the loss (``vertical.problems``)."""
 
     _problem: str
     _task: str
@@ -77,8 +77,8 @@ class _VerticalEstimator(BaseEstimator):
         self._train(folder, work / "run")
 
     def _split(self, X, y, folder: Path) -> Path:
-        from vfl.datasets import Dataset, split_to_party_files
-        from vfl.partition import random_blocks
+        from vertical.datasets import Dataset, split_to_party_files
+        from vertical.partition import random_blocks
 
         X, y_checked = self._check_X_y(X, y)
         n = X.shape[0]
@@ -94,8 +94,8 @@ class _VerticalEstimator(BaseEstimator):
         from parties.config import RunConfig
         from parties.launch import prepare, run_plan
         from parties.outcomes import EXIT_CODES
-        from vfl.datasets import load_party_file
-        from vfl.datasets.party_files import find_party_file
+        from vertical.datasets import load_party_file
+        from vertical.datasets.party_files import find_party_file
 
         config = RunConfig(parties=self.parties, active=self.active, party_files=str(folder),
                            problem=self._problem, lam=self.lam, algorithm=self.algorithm, gamma=self.gamma,

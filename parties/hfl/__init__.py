@@ -16,7 +16,7 @@ writes ``<out>/config.json`` and starts ``mpiexec -n P+1 python -m mpi4py -m par
 Ranks. Rank 0 is the server; rank p (1..P) is client process p-1 and hosts a contiguous block of the N
 logical clients (``numpy.array_split(range(N), P)``), or the clients of its own file
 ``clients-<p-1>.npz``. One round, exactly the engine's message flow (the server's half is the
-simulation's own :class:`vfl.hfl.server.VectorServer`; this package only moves the buffers):
+simulation's own :class:`horizontal.server.VectorServer`; this package only moves the buffers):
 
     server: sample S clients → ROUND to every client process (downlink x, c, ... to those hosting sampled
             clients) → UPLINK from each participant → decode the payloads → ``server_update`` → REPLY
@@ -26,8 +26,8 @@ simulation's own :class:`vfl.hfl.server.VectorServer`; this package only moves t
 Per-client state (c_i, v_i, e_i, δ_j) lives only in the process that hosts the client; the server keeps
 the server state. The framing is in :mod:`parties.hfl.wire`.
 
-Same seed, same trajectory as :class:`vfl.hfl.FederatedSimulation` (float64: to rounding, ~1e-15). How
-the engine's randomness is reproduced (:class:`vfl.hfl.engine.Streams`):
+Same seed, same trajectory as :class:`horizontal.FederatedSimulation` (float64: to rounding, ~1e-15). How
+the engine's randomness is reproduced (:class:`horizontal.engine.Streams`):
 
 - client sampling and the initial model: the sampling/init streams, drawn at the server only (x^0 is
   broadcast);
@@ -51,9 +51,9 @@ Decisions:
   ``--model least-squares`` and an IID partition.
 - ``--config`` may be given several times: the ranks then run the jobs one after the other in the same
   ``mpiexec`` (a sweep pays the start-up, several seconds of ``import torch`` per rank, once).
-- A client process runs the engine's own round (:class:`vfl.hfl.engine.ClientRound`, a
-  :class:`~vfl.hfl.engine.LocalSolver` over its view of the shared minibatch stream); every uplink
-  :class:`vfl.hfl.Message` carries its payloads, which are sent as they are, and the server decodes them
+- A client process runs the engine's own round (:class:`horizontal.engine.ClientRound`, a
+  :class:`~horizontal.engine.LocalSolver` over its view of the shared minibatch stream); every uplink
+  :class:`horizontal.Message` carries its payloads, which are sent as they are, and the server decodes them
   with its algorithm's ``uplink_compressor()``. ``algorithm.init`` builds the ``[N, d]`` stores on every
   rank (each keeps only its rows).
 
@@ -75,7 +75,7 @@ Where things are (each module imports only modules above it in this list):
 - :mod:`~parties.hfl.compositional`: the ranks of FedDRO (``--algorithm feddro``), which exchange at
   every local step.
 - :mod:`~parties.hfl.ranks`: :func:`run_ranks`, :func:`run_job` and the server's loop over the rounds.
-- :mod:`~parties.hfl.launcher`: :func:`launch`: validate, write ``config.json``, run ``mpiexec``.
+- :mod:`~parties.hfl.launcher`: :func:`launch_hfl`: validate, write ``config.json``, run ``mpiexec``.
 - :mod:`~parties.hfl.cli` (and ``__main__``): :func:`main`, :func:`build_parser`, :func:`from_args`.
 """
 
@@ -91,7 +91,7 @@ from parties.hfl.config import (
     parse_compressor,
     validate,
 )
-from parties.hfl.launcher import launch
+from parties.hfl.launcher import launch_hfl
 from parties.hfl.ranks import run_job, run_ranks
 from parties.hfl.server import Server
 from parties.hfl.split import write_client_files
@@ -110,7 +110,7 @@ __all__ = [
     "client_blocks",
     "client_file_name",
     "from_args",
-    "launch",
+    "launch_hfl",
     "load_client_file",
     "load_training_data",
     "main",

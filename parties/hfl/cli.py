@@ -1,5 +1,5 @@
 """The ``python -m parties.hfl`` command line: launch a job, ``split`` a dataset into client files, or (with
-``--config``, as :func:`parties.hfl.launcher.launch` starts every rank) run as a rank."""
+``--config``, as :func:`parties.hfl.launcher.launch_hfl` starts every rank) run as a rank."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
+from horizontal import ALGORITHMS, COMPOSITIONAL, LAYERED_METHODS
 from parties.config import ConfigError
 from parties.hfl.config import MODELS, PARTITIONS, HflConfig, option_names
-from parties.hfl.launcher import launch
+from parties.hfl.launcher import launch_hfl
 from parties.hfl.ranks import run_ranks
 from parties.hfl.split import write_client_files
-from vfl.hfl import ALGORITHMS, COMPOSITIONAL, LAYERED_METHODS
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -63,7 +63,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--trajectory", action="store_true",
                    help="also save the server state after every round to <out>/trajectory.npz")
-    p.add_argument("--config", action="append", default=None, help=argparse.SUPPRESS)  # set by launch()
+    p.add_argument("--config", action="append", default=None, help=argparse.SUPPRESS)  # set by launch_hfl()
     return p
 
 
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             paths = write_client_files(from_args(args), args.out)
             print(f"wrote {len(paths)} client files and test.npz to {args.out}")
             return 0
-        return launch(from_args(args))
+        return launch_hfl(from_args(args))
     except ConfigError as err:
         print(f"python -m parties.hfl: error: {err}", file=sys.stderr)
         return 2

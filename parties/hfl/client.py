@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from horizontal import LocalSolver, VectorState
+from horizontal.base import Downlink
+from horizontal.engine import ClientRound
 from parties.hfl.job import _Job
 from parties.hfl.round_context import StackBatches, draw_stack_uniforms
 from parties.hfl.wire import SERVER, Kind, encode_uplink, recv_frame, send_frame, unpack_vectors
-from vfl.hfl import LocalSolver, VectorState
-from vfl.hfl.base import Downlink
-from vfl.hfl.engine import ClientRound
 
 
 class ClientProcess:

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from horizontal import FederatedData
 from parties.config import ConfigError
-from vfl.hfl import FederatedData
 
 CLIENT_FILE_FORMAT = "vfl-hfl-clients/1"
 

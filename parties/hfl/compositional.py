@@ -1,5 +1,5 @@
 """FedDRO under MPI (``--algorithm feddro``): the compositional round, which exchanges at every local step,
-run by a server rank and client processes with :class:`vfl.hfl.feddro.CompositionalSimulation`'s
+run by a server rank and client processes with :class:`horizontal.feddro.CompositionalSimulation`'s
 trajectory.
 
 Every client takes part in every iteration. A client process runs the simulation's own ``step`` on the
@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from horizontal.dro_objectives import FLOAT, LossComposition
+from horizontal.feddro import CompositionalSimulation, FedDRO, FederatedDRO
+from horizontal.models import TorchModel
 from parties.hfl.client_files import Shard
 from parties.hfl.config import HflConfig
 from parties.hfl.round_context import StackBatches
 from parties.hfl.wire import SERVER, Kind, WireError, recv_frame, send_frame
-from vfl.hfl.dro_objectives import FLOAT, LossComposition
-from vfl.hfl.feddro import CompositionalSimulation, FedDRO, FederatedDRO
-from vfl.hfl.models import TorchModel
 
 # --------------------------------------------------------------------------------------- messages
 

@@ -2,9 +2,9 @@
 starts) and what every rank builds from it: the algorithm, the model and the partitioned training data.
 
 Three kinds of round (:attr:`HflConfig.family`): ``--model cnn`` selects the layered backbone (FedBAT's
-BatchNorm CNN, :data:`vfl.hfl.LAYERED_METHODS`: local epochs, n_k-weighted aggregation, layered
-messages); ``--algorithm feddro`` the compositional one (:data:`vfl.hfl.COMPOSITIONAL`: a DRO objective,
-an exchange at every local step); everything else runs :data:`vfl.hfl.ALGORITHMS` on flat parameter
+BatchNorm CNN, :data:`horizontal.LAYERED_METHODS`: local epochs, n_k-weighted aggregation, layered
+messages); ``--algorithm feddro`` the compositional one (:data:`horizontal.COMPOSITIONAL`: a DRO objective,
+an exchange at every local step); everything else runs :data:`horizontal.ALGORITHMS` on flat parameter
 vectors."""
 
 from __future__ import annotations
@@ -21,12 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from parties.config import ConfigError
-from parties.hfl.client_files import inspect_client_files
-from parties.hfl.wire import FLOAT_DTYPES
-from protocols.compression import Compressor, get_compressor
-from protocols.compression.layers import LayerCodec
-from vfl.hfl import (
+from horizontal import (
     ALGORITHMS,
     COMPOSITIONAL,
     LAYERED_METHODS,
@@ -41,11 +36,16 @@ from vfl.hfl import (
     shard_partition,
     softmax_regression,
 )
-from vfl.hfl.base import Compressor as CompressorOption
-from vfl.hfl.cnn import Table4CNN
-from vfl.hfl.dro_objectives import DRO_OBJECTIVES, LossComposition, make_objective
-from vfl.hfl.layered import LocalTraining, Method
-from vfl.hfl.models import BatchedModel, TorchModel, torch_mlp
+from horizontal.base import Compressor as CompressorOption
+from horizontal.cnn import Table4CNN
+from horizontal.dro_objectives import DRO_OBJECTIVES, LossComposition, make_objective
+from horizontal.layered import LocalTraining, Method
+from horizontal.models import BatchedModel, TorchModel, torch_mlp
+from parties.config import ConfigError
+from parties.hfl.client_files import inspect_client_files
+from parties.hfl.wire import FLOAT_DTYPES
+from protocols.compression import Compressor, get_compressor
+from protocols.compression.layers import LayerCodec
 
 MODELS = ("softmax", "mlp", "least-squares", "cnn")
 LAYERED_MODELS = ("cnn",)
@@ -188,8 +188,8 @@ def _unwrap_optional(kind: Any) -> Any:
 
 
 def build_algorithm(config: HflConfig) -> Any:
-    """The algorithm object from its options dataclass (a :class:`vfl.hfl.Algorithm`, or a layered
-    :class:`vfl.hfl.layered.Method` with ``--model cnn``): every given option converted to the field's
+    """The algorithm object from its options dataclass (a :class:`horizontal.Algorithm`, or a layered
+    :class:`horizontal.layered.Method` with ``--model cnn``): every given option converted to the field's
     type; an option the algorithm does not take, or a required one missing, is an error."""
     registry = config.registry
     if config.algorithm not in registry:
@@ -303,7 +303,7 @@ def load_training_data(config: HflConfig) -> tuple[FederatedData, tuple[torch.Te
     """The partitioned training rows and the test set of a named dataset, exactly as the simulation
     equivalence tests build them: ``load(dataset, seed)``, the partitioner with
     ``numpy.random.default_rng(seed)``, features cast to ``--dtype``."""
-    from vfl.datasets import load
+    from vertical.datasets import load
 
     ds = load(config.dataset, seed=config.seed, data_dir=config.data_dir)
     rng = np.random.default_rng(config.seed)
@@ -409,7 +409,7 @@ def _check_layered(c: HflConfig) -> None:
 
 def _inspect_dataset(c: HflConfig) -> tuple[int, int]:
     """(n_features, n_classes or 0) of ``--dataset``, partitioned once to surface partition errors."""
-    from vfl.datasets import DatasetNotFoundError, get_spec
+    from vertical.datasets import DatasetNotFoundError, get_spec
 
     try:
         spec = get_spec(c.dataset)

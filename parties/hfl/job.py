@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
+from horizontal import Algorithm, InitContext
+from horizontal.engine import Streams
+from horizontal.models import BatchedModel
 from parties.hfl.client_files import Shard
 from parties.hfl.config import HflConfig
 from parties.hfl.round_context import StackBatches
-from vfl.hfl import Algorithm, InitContext
-from vfl.hfl.engine import Streams
-from vfl.hfl.models import BatchedModel
 
 
 @dataclass

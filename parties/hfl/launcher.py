@@ -12,7 +12,7 @@ from parties.hfl.wire import SERVER
 from parties.launch import run_mpi_module
 
 
-def launch(config: HflConfig, *, extra_env: dict[str, str] | None = None) -> int:
+def launch_hfl(config: HflConfig, *, extra_env: dict[str, str] | None = None) -> int:
     """Validate ``config`` (ConfigError before any rank starts), write ``<out>/config.json`` and run the
     job under ``mpiexec`` with P + 1 ranks; returns the job's exit code."""
     from parties.launch import FirstDeath

@@ -1,11 +1,11 @@
 """The layered backbone under MPI (``--model cnn``: FedBAT and its post-training baselines): the server rank
-and the client processes of :class:`vfl.hfl.layered.FederatedCNN`'s round, with the same trajectory.
+and the client processes of :class:`horizontal.layered.FederatedCNN`'s round, with the same trajectory.
 
 One round:
 
     server: sample S clients → ROUND to every client process (the sampled ids; the global state too if it
             hosts one of them) → UPLINK from each participant → decode, aggregate, count
-            (:class:`vfl.hfl.layered.LayeredServer`, the simulation's own code)
+            (:class:`horizontal.layered.LayeredServer`, the simulation's own code)
     client process: for each sampled client in id order, train it if hosted (``Method.client``) or replay
             its draws from the shared minibatch stream if not; send the hosted clients' packed messages
             and BN tensors
@@ -34,12 +34,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from parties.config import ConfigError
-from parties.hfl.client_files import Shard
-from parties.hfl.config import HflConfig
-from parties.hfl.wire import SERVER, Kind, WireError, recv_frame, send_frame
-from vfl.hfl.engine import Streams
-from vfl.hfl.layered import (
+from horizontal.engine import Streams
+from horizontal.layered import (
     LayeredServer,
     LocalTrainer,
     Method,
@@ -48,7 +44,11 @@ from vfl.hfl.layered import (
     Upload,
     evaluate_state,
 )
-from vfl.hfl.rounds import sample_clients
+from horizontal.rounds import sample_clients
+from parties.config import ConfigError
+from parties.hfl.client_files import Shard
+from parties.hfl.config import HflConfig
+from parties.hfl.wire import SERVER, Kind, WireError, recv_frame, send_frame
 
 MAX_INFO_KEYS = 16
 MAX_INFO_VALUES = 4096
@@ -180,7 +180,7 @@ def _sampled_clients(value: object, config: HflConfig) -> list[int]:
 
 class LayeredServerRank:
     """Rank 0 of the layered backbone: samples, sends the state, checks and decodes the uplinks, and runs
-    the simulation's :class:`~vfl.hfl.layered.LayeredServer` on them."""
+    the simulation's :class:`~horizontal.layered.LayeredServer` on them."""
 
     def __init__(self, comm: Any, config: HflConfig, method: Method, model: nn.Module, streams: Streams,
                  hosts: Sequence[Sequence[int]], sizes: np.ndarray,

@@ -13,6 +13,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from horizontal import FederatedData, MetricsLog
+from horizontal.cnn import init_weights
+from horizontal.engine import Streams
+from horizontal.layered import LocalTrainer
 from parties.config import ConfigError
 from parties.hfl.client import ClientProcess
 from parties.hfl.client_files import Shard, client_file_name, load_client_file
@@ -31,10 +35,6 @@ from parties.hfl.job import _Job
 from parties.hfl.layered import LayeredClientProcess, LayeredServerRank, share_client_sizes
 from parties.hfl.server import Server
 from parties.hfl.wire import SERVER
-from vfl.hfl import FederatedData, MetricsLog
-from vfl.hfl.cnn import init_weights
-from vfl.hfl.engine import Streams
-from vfl.hfl.layered import LocalTrainer
 
 
 def _load_shard(config: HflConfig, process: int) -> Shard:

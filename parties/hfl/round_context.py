@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from vfl.hfl import FederatedData
+from horizontal import FederatedData
 
 
 class StackBatches:
-    """Minibatches of the sampled clients a process hosts (a :class:`vfl.hfl.engine.MinibatchSource`),
+    """Minibatches of the sampled clients a process hosts (a :class:`horizontal.engine.MinibatchSource`),
     drawn from its replica of the shared data stream exactly as the engine draws them for the whole stack
     (row j of each matrix for the stack's j-th client)."""
 

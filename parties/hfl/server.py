@@ -1,4 +1,4 @@
-"""Rank 0 (:class:`Server`): runs the simulation's server step (:class:`vfl.hfl.server.VectorServer`) with
+"""Rank 0 (:class:`Server`): runs the simulation's server step (:class:`horizontal.server.VectorServer`) with
 the sampled clients on the client processes (:class:`ClientProcesses`, which only moves buffers: the
 downlink out, the uplinks in, checked and stacked in the engine's order, the reply out); evaluates the
 model on the client processes' rows and its own test set."""
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from horizontal import Message, VectorState
+from horizontal.base import Downlink, Uplink
+from horizontal.server import ClientReport, VectorServer
 from parties.hfl.job import _Job
 from parties.hfl.wire import Kind, WireError, decode_uplink, pack_vectors, recv_frame, send_frame
-from vfl.hfl import Message, VectorState
-from vfl.hfl.base import Downlink, Uplink
-from vfl.hfl.server import ClientReport, VectorServer
 
 
 class Server:
@@ -59,7 +59,7 @@ class Server:
 
 
 class ClientProcesses:
-    """The :class:`~vfl.hfl.server.RoundClients` of an MPI run: each client process trains the sampled
+    """The :class:`~horizontal.server.RoundClients` of an MPI run: each client process trains the sampled
     clients it hosts; a process none of whose clients was sampled gets the round's ids only (to catch up
     on the shared minibatch stream next time it takes part: ``previous_draws``)."""
 

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from horizontal import Message
 from protocols.compression import Compressor, Payload
-from vfl.hfl import Message
 
 TAG = 72
 """The one MPI tag of horizontal-FL traffic (on its own duplicated communicator)."""

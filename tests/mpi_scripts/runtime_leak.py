@@ -12,8 +12,8 @@ import numpy as np
 from mpi4py import MPI
 
 from parties.runtime import PartyRuntime, PartyState, RuntimeOptions
-from vfl.algorithms.vfb2 import Block, get_rule
-from vfl.problems import get_problem
+from vertical.algorithms.vfb2 import Block, get_rule
+from vertical.problems import get_problem
 
 N_ROWS, WIDTH = 20, 2
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from parties.runtime import PartyState
-from vfl.algorithms.vfb2 import Block, get_rule
-from vfl.problems import get_problem
+from vertical.algorithms.vfb2 import Block, get_rule
+from vertical.problems import get_problem
 
 N_ROWS, WIDTH = 40, 3
 
