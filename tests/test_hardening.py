@@ -371,6 +371,15 @@ def test_a_tampering_party_ends_the_job_with_its_name_not_a_crash(tmp_path: Path
     assert not marker.exists()
 
 
+@pytest.mark.mpi
+def test_a_passive_party_that_roots_an_aggregation_ends_the_job_named() -> None:
+    proc = run_mpi(3, ["tests/mpi_scripts/tamper_root.py"], timeout=120, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 139, -11), output
+    assert "NOT REJECTED" not in output
+    assert "party 2 sent an invalid REQUEST: root 2 is not a dominator" in output, output
+
+
 def test_one_transport_multiplexes_tags_in_order_and_names_each_kind() -> None:
     """The runtime's data plane and the secure sum share MpiTransport: ``recv_any`` returns every tag in
     the order sent (long ones framed), ``recv`` only its own, and a malformed message is named by its
