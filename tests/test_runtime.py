@@ -258,18 +258,23 @@ def test_a_closed_runtime_leaves_no_communicator_behind():
     assert all(f"NO LEAK {rank}" in proc.stdout for rank in range(3)), proc.stdout + proc.stderr
 
 
-def test_killing_a_party_ends_the_job_naming_it(tmp_path):
+def _long_job_under_way(out: Path, *options: str) -> tuple[subprocess.Popen, int]:
+    """A q = 3 job of 1,000 epochs, once it has recorded an evaluation; and party 2's pid."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    cmd = [sys.executable, "-m", "vfl.cli", "train", "--out", str(tmp_path), "--no-progress", "-n", "3",
-           "-m", "1", "--algorithm", "sgd", "--epochs", "1000", *CANCER]
+    cmd = [sys.executable, "-m", "vfl.cli", "train", "--out", str(out), "--no-progress", "-n", "3",
+           "-m", "1", "--algorithm", "sgd", "--epochs", "1000", *options, *CANCER]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.monotonic() + 60
-    log = tmp_path / "metrics.jsonl"
+    log = out / "metrics.jsonl"
     while not (log.exists() and len(log.read_text().splitlines()) >= 2):  # training is under way
         assert time.monotonic() < deadline and proc.poll() is None, "the job did not start training"
         time.sleep(0.2)
-    victim = int((tmp_path / "party-2.pid").read_text())
+    return proc, int((out / "party-2.pid").read_text())
+
+
+def test_killing_a_party_ends_the_job_naming_it(tmp_path):
+    proc, victim = _long_job_under_way(tmp_path)
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
     _, stderr = proc.communicate(timeout=30)
@@ -280,17 +285,7 @@ def test_killing_a_party_ends_the_job_naming_it(tmp_path):
 
 def test_a_stopped_party_ends_the_job_naming_it_within_the_peer_timeout(tmp_path):
     """SIGSTOP: the party neither dies nor answers (like a frozen host or a cut cable)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    cmd = [sys.executable, "-m", "vfl.cli", "train", "--out", str(tmp_path), "--no-progress", "-n", "3",
-           "-m", "1", "--algorithm", "sgd", "--epochs", "1000", "--peer-timeout", "3", *CANCER]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    deadline = time.monotonic() + 60
-    log = tmp_path / "metrics.jsonl"
-    while not (log.exists() and len(log.read_text().splitlines()) >= 2):  # training is under way
-        assert time.monotonic() < deadline and proc.poll() is None, "the job did not start training"
-        time.sleep(0.2)
-    victim = int((tmp_path / "party-2.pid").read_text())
+    proc, victim = _long_job_under_way(tmp_path, "--peer-timeout", "3")
     os.kill(victim, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
