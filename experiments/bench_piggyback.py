@@ -5,9 +5,9 @@ Piggybacking sends each step's (ϑ, i) inside the dominator's next aggregation r
 in both the sender's and the receiver's MPI progress and in the receiver's Python dispatch; the
 question is how much of a B = 1 step that is. Measured here, in one script:
 
-* real ``vfl train`` jobs (a9a, q = 4, all parties active as in the README's per-update figure, SGD,
-  B = 1 by default), plain and piggybacked **alternating**, so that a change of load hits both alike;
-  per job: training time / dominated updates;
+* real ``vfl train`` jobs (a9a, q = 4, all parties active as in the per-update figure of
+  experiments/results/README.md, SGD, B = 1 by default), plain and piggybacked **alternating**, so
+  that a change of load hits both alike; per job: training time / dominated updates;
 * the same SGD rules serially in one process (no messages at all), per update, for the federation's
   cost (the issue's B = 1 goal is ≤ 0.2 ms per dominated update).
 

@@ -512,7 +512,8 @@ Notes.
 
 
 def write_readme(rows: list[dict[str, Any]], scale: Scale, out: Path, figures: list[str]) -> None:
-    """The Markdown section the project README copies: tables, plots and commands, from the results."""
+    """The Markdown section experiments/results/README.md links to: tables, plots and commands, from the
+    results."""
     text = README.format(n_runs=len(rows), n_planned=len(plan(scale, quick=False)),
                          cpu=sum(r["cpu_seconds"] for r in rows), caption=caption(scale),
                          tables=(out / "tables.md").read_text().strip(), figures=_figure_links(figures))

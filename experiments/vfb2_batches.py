@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def best_cells(rows: list[dict], meta: dict) -> str:
-    """The summary the README shows: per data set, B and delay, the fastest P to the target (its time,
-    and the federation cost at no delay), and the issue's two ratios."""
+    """The summary experiments/results/README.md shows: per data set, B and delay, the fastest P to the
+    target (its time, and the federation cost at no delay), and the issue's two ratios."""
     lines = []
     for dataset in sorted({r["dataset"] for r in rows}):
         delays = sorted({r["delay_ms"] for r in rows if r["dataset"] == dataset})

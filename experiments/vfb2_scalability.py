@@ -10,7 +10,8 @@ straggler in both modes, run back to back.
 Decisions and reductions, stated because they change what the curve means:
 
 * D4 (webspam) is not here. The default is a9a (123 features); ``--dataset webspam-standin`` runs on
-  ``vfl synth webspam``'s stand-in at D4's full 16.6M features (rows reduced, see the README). Problem
+  ``vfl synth webspam``'s stand-in at D4's full 16.6M features (rows reduced, see
+  docs/large-sparse-data.md). Problem
   (7) has no finite minimiser to speak of on data with n ≪ d that is (nearly) separable, so its NonF
   reference would run for L-BFGS's whole iteration budget: ``--no-reference`` skips it and the table
   gives each job's final loss instead of f − f*.

@@ -1,6 +1,6 @@
 """The curious passive party: with plain VFB² it recovers the labels from its own transcript.
 
-This is the leak the README states; a protected mode must make these same attacks fail (chance level).
+This is the leak docs/security.md states; a protected mode must make these same attacks fail (chance level).
 The audit records every communicator, so the full-pass ϑ₀ on the control plane is in the transcript.
 """
 
