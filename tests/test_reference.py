@@ -109,7 +109,7 @@ def test_invalid_arguments_raise() -> None:
         solve_reference(problem, X, y[:5])
     with pytest.raises(ValueError, match="w must be a 1-D array of length 3"):
         solve_reference(problem, X, y, w0=np.zeros(4))
-    with pytest.raises(ValueError, match=r"problem must be a vfl\.problems\.Problem"):
+    with pytest.raises(ValueError, match=r"problem must be a vertical\.problems\.Problem"):
         solve_reference("logistic", X, y)
     with pytest.raises(ValueError, match="max_iter"):
         solve_reference(problem, X, y, max_iter=0)
