@@ -211,3 +211,23 @@ def test_no_passive_party_reads_f_star_under_label_privacy(tmp_path):
         assert not (tmp_path / f"org{rank}" / LEADER_ONLY).exists()
         assert leader_view(JobPlan.from_json(shared), rank).f_star is None
     assert leader_view(JobPlan.from_json(shared), 0).f_star == 0.25  # the leader's own file
+
+
+@pytest.mark.mpi
+def test_predict_reads_the_run_as_it_is_and_draws_no_second_randomized_response(tmp_path):
+    """``vfl predict RUN`` takes the run's saved plan: its party files where the folder is now (moved
+    here), and the randomized response read back, never drawn again over the file a --resume needs."""
+    import shutil
+
+    from parties.predict import predict
+
+    first = tmp_path / "first"
+    train(first, "-n", "3", "-m", "1", "--algorithm", "sgd", "--dataset", "breast-cancer", "--lam", "0.01",
+          "--label-privacy", "dp", "--epsilon", "1", "--epochs", "1")
+    run = tmp_path / "moved"
+    shutil.move(first, run)
+    drawn = (run / "label-dp-0.npz").read_bytes()
+    assert predict(run) == 0
+    assert (run / "label-dp-0.npz").read_bytes() == drawn
+    rows = np.loadtxt(run / "predictions-test.csv", delimiter=",", skiprows=1)
+    assert rows.shape == (load("breast-cancer", seed=0).n_test, 3)
