@@ -6,7 +6,8 @@ parser (:func:`build_parser`, hence ``vfl train --help``) and the per-option ran
 :func:`validate` are generated from it, so a new option is one row. The options are frozen: what the
 launcher derives from them and from the data (f*, the party files, the run folder, the DP noise) is
 the job plan of :mod:`parties.plan`, never written back here. :func:`validate` looks at the options
-alone (no file is read) and returns them as they were.
+alone (no file is read) and returns them as they were. A row marked ``budget`` may change when a run
+is resumed; every other row defines the model and ``--resume`` keeps the run's (:mod:`parties.resume`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ so a bad option fails before any rank starts), solves the NonF reference for f* 
 named dataset, writes the plan to ``<out>/config.json``,
 starts ``mpiexec -n q python -m mpi4py -m parties.rank`` (see :mod:`parties.rank`) and, when the job
 ends, turns its outcome into one line and an exit code (:data:`EXIT_CODES`): which party failed
-first, a divergence, a target not reached, an interrupt.
+first, a divergence, a target not reached, an interrupt. ``--resume`` resolves nothing: it takes the
+run's saved plan with the user's budget changes (:mod:`parties.resume`).
 """
 
 from __future__ import annotations
@@ -62,12 +63,11 @@ def write_party_files(plan: JobPlan, out: Path) -> str:
     from vfl.datasets import split_to_party_files
     from vfl.partition import random_blocks
 
-    folder = out / "parties"
-    if not (plan.resume and (folder / "manifest.json").exists()):
-        ds = job_dataset(plan.dataset, plan.seed, plan.data_dir)
-        blocks = random_blocks(ds.n_features, plan.parties, seed=plan.seed)
-        split_to_party_files(ds, blocks, list(range(plan.active)), folder, partition_seed=plan.seed,
-                             overwrite=True, layout="folder", column_order="auto")
+    folder = out / "parties"  # a fresh run's (a resumed run reads the files it wrote: parties.resume)
+    ds = job_dataset(plan.dataset, plan.seed, plan.data_dir)
+    blocks = random_blocks(ds.n_features, plan.parties, seed=plan.seed)
+    split_to_party_files(ds, blocks, list(range(plan.active)), folder, partition_seed=plan.seed,
+                         overwrite=True, layout="folder", column_order="auto")
     job_dataset.cache_clear()  # the launcher only waits from now on: let the data go
     return str(folder)
 
@@ -289,7 +289,8 @@ def _point_latest_to(out: Path) -> None:
 
 def _interrupted(out: Path) -> int:
     try:
-        where = f"the last complete epoch is {complete_epochs(out):g}; resume with --resume"
+        where = (f"the last complete epoch is {complete_epochs(out):g}; resume with --resume --out {out} "
+                 "(the run's options come from its config.json)")
     except (FileNotFoundError, ValueError):
         where = "no epoch was complete yet"
     print(f"vfl train: interrupted; {where}.", file=sys.stderr)
