@@ -6,7 +6,8 @@ parser (:func:`build_parser`, hence ``vfl train --help``) and the per-option ran
 :func:`validate` are generated from it, so a new option is one row. The options are frozen: what the
 launcher derives from them and from the data (f*, the party files, the run folder, the DP noise) is
 the job plan of :mod:`parties.plan`, never written back here. :func:`validate` looks at the options
-alone (no file is read) and returns them as they were.
+alone (no file is read) and returns them as they were. A row marked ``budget`` may change when a run
+is resumed; every other row defines the model and ``--resume`` keeps the run's (:mod:`parties.resume`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import functools
 import json
 import math
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,13 +85,15 @@ def one_of(choices: tuple) -> Check:
 
 
 def option(default: Any, *flags: str, help: str | None = None, check: Check | None = None,
-           choices: tuple | None = None, metavar: str | None = None) -> Any:
+           choices: tuple | None = None, metavar: str | None = None, budget: bool = False) -> Any:
     """One row of the table: the field's default plus how the command line spells and checks it.
-    ``choices`` restrict the parser; validation checks them too unless ``check`` says otherwise."""
+    ``choices`` restrict the parser; validation checks them too unless ``check`` says otherwise.
+    ``budget``: the option may change when a run is resumed (how long it trains, what it shows, where
+    it is); every other option defines the model, and ``--resume`` keeps the run's (parties.resume)."""
     if choices is not None and check is None:
         check = one_of(choices)
     return field(default=default, metadata={"flags": flags, "help": help, "check": check,
-                                            "choices": choices, "metavar": metavar})
+                                            "choices": choices, "metavar": metavar, "budget": budget})
 
 
 def _algorithm_help() -> str:
@@ -117,7 +120,8 @@ class RunConfig:
         help="folder of per-party files: from `vfl split`, or party-<p>.csv files (e.g. from "
              "`vfl align`), converted once into the run folder (replaces --dataset)")
     data_dir: str | None = option(None, "--data-dir",
-                                  help="dataset folder (default: $VFL_DATA_DIR, ../shared/data)")
+                                  help="dataset folder (default: $VFL_DATA_DIR, ../shared/data)",
+                                  budget=True)
     problem: str = option("logistic", "--problem",
                           help="logistic | nonconvex-logistic | least-squares | robust")
     lam: float = option(1e-4, "--lam", help="regularisation λ (paper: 1e-4)", check=non_negative())
@@ -147,12 +151,12 @@ class RunConfig:
                                 check=Check(lambda v: 0 <= v < math.inf,
                                             "{flag} must be a finite number >= 0 (got {value})"))
     epochs: float = option(10.0, "--epochs", help="stop after this many passes over the data",
-                           check=positive())
+                           check=positive(), budget=True)
     target_suboptimality: float | None = option(
         None, "--target-suboptimality", check=positive(""),
-        help="stop when f(w) − f* falls below this (f* from the NonF reference)")
+        help="stop when f(w) − f* falls below this (f* from the NonF reference)", budget=True)
     time_limit: float | None = option(None, "--time-limit", help="stop after this much training time (s)",
-                                      check=positive(" (seconds)"))
+                                      check=positive(" (seconds)"), budget=True)
     threads: int | None = option(None, "-k", "--threads", help="worker threads per party (default: m)",
                                  check=at_least(1))
     eval_every: float = option(1.0, "--eval-every", help="evaluate every this many epochs", check=positive())
@@ -172,10 +176,12 @@ class RunConfig:
     link_jitter_ms: float = option(0.0, "--link-jitter", metavar="MS", check=non_negative(" (ms)"),
                                    help="plus a uniform random extra delay of up to this much")
     peer_timeout: float = option(30.0, "--peer-timeout", check=positive(),
-                                 help="end the job when a party has been silent this many seconds")
+                                 help="end the job when a party has been silent this many seconds",
+                                 budget=True)
     out: str | None = option(None, "--out",
                              help="folder of this run: metrics, each party's block (default: a new "
-                                  "runs/<time>-<dataset>, with runs/latest pointing to it)")
+                                  "runs/<time>-<dataset>, with runs/latest pointing to it)",
+                             budget=True)
     party_dir: str | None = option(
         None, "--party-dir", metavar="TEMPLATE",
         help="each party's own folder for its block and checkpoints, e.g. /srv/org{rank}/model "
@@ -211,10 +217,13 @@ class RunConfig:
         None, "--channel-keys", metavar="FILE",
         help="JSON list of the parties' public keys (hex, rank order; from `vfl keygen`); default: fresh "
              "keys in each party's folder")
-    overwrite: bool = option(False, "--overwrite", help="reuse an --out folder that holds another run")
+    overwrite: bool = option(False, "--overwrite", help="reuse an --out folder that holds another run",
+                             budget=True)
     resume: bool = option(False, "--resume",
-                          help="continue from the newest complete checkpoint in --out (default: runs/latest)")
-    progress: bool = option(True, "--no-progress", help="no progress bar")
+                          help="continue the run in --out (default: runs/latest) from its newest complete "
+                               "checkpoint, with its saved options; only the budget options (epochs, time "
+                               "limit, target, progress, peer timeout, audit) may change", budget=True)
+    progress: bool = option(True, "--no-progress", help="no progress bar", budget=True)
     f_star: float | None = option(None, "--f-star", help="known optimum f* (skips the NonF solve)")
     #: solve the NonF reference for f* before training (off: progress reports the loss, not f − f*;
     #: for data with n ≪ d, where L-BFGS would run its whole budget)
@@ -224,7 +233,8 @@ class RunConfig:
         False, "--allow-two-parties",
         help="accept q = 2, where the aggregate reveals the other party's partial products")
     audit: bool = option(False, "--audit",
-                         help="each party records every message it receives to <out>/audit-<rank>.npz")
+                         help="each party records every message it receives to <out>/audit-<rank>.npz",
+                         budget=True)
 
     def gamma_at(self, epochs: float) -> float:
         """The step size in the epoch that ``epochs`` falls in: γ/(1 + decay·e), e = ⌊epochs⌋ (constant γ,
@@ -378,6 +388,13 @@ def _check_he(c: RunConfig) -> None:
     if c.algorithm != "sgd":
         raise ConfigError("--label-privacy he --epsilon runs --algorithm sgd: an SVRG snapshot would "
                           "release a full gradient that the per-batch accounting does not cover")
+    if not _logistic(c.problem):
+        raise ConfigError(f"--label-privacy he --epsilon needs a logistic loss, not --problem {c.problem}: "
+                          "the noise is sized for one label moving ϑ by exactly 1, which holds for the "
+                          "logistic loss only (least squares: unbounded)")
+    if c.f_star is not None:
+        raise ConfigError("--label-privacy he --epsilon does not take --f-star: f* is computed from all "
+                          "the labels, and config.json, which every party reads, would carry it")
     if c.resume:
         raise ConfigError("--label-privacy he --epsilon cannot --resume: the batch schedule would start "
                           "over, and rows could be in more batches than the privacy accounting allows")
@@ -387,16 +404,25 @@ def _check_he(c: RunConfig) -> None:
                           "--target-suboptimality")
 
 
+def _logistic(problem: str) -> bool:
+    from vertical.problems import PROBLEMS, LogisticLoss
+
+    return isinstance(PROBLEMS[problem].loss, LogisticLoss)
+
+
 # ------------------------------------------------------------------------------- the command line
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """Add the training options to ``parser`` (or a new one), one argument per row of the table."""
+def build_parser(parser: argparse.ArgumentParser | None = None, *, defaults: bool = True
+                 ) -> argparse.ArgumentParser:
+    """Add the training options to ``parser`` (or a new one), one argument per row of the table.
+    ``defaults=False``: an option not on the command line stays out of the namespace
+    (:func:`given_options`)."""
     p = parser or argparse.ArgumentParser(description="Train a VFB² model over q MPI parties.",
                                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f, kind in _rows():
         meta = f.metadata
-        extra: dict[str, Any] = {"dest": f.name, "default": f.default}
+        extra: dict[str, Any] = {"dest": f.name, "default": f.default if defaults else argparse.SUPPRESS}
         if kind is bool:  # a switch: its flag turns the default over
             extra["action"] = "store_false" if f.default else "store_true"
         else:
@@ -415,3 +441,26 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def from_args(args: argparse.Namespace) -> RunConfig:
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     return RunConfig(**{k: v for k, v in vars(args).items() if k in fields})
+
+
+def given_options(argv: Sequence[str], more: Callable[[argparse.ArgumentParser], None] | None = None
+                  ) -> frozenset[str]:
+    """The options ``argv`` (the ``vfl train`` arguments) sets itself, whatever their values: an
+    explicit ``--epochs 10`` is given although 10 is the default. ``more`` adds the command's other
+    arguments (the host options), so that every flag is parsed exactly as the real parser does."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=True)
+    build_parser(p, defaults=False)
+    if more is not None:
+        more(p)
+    names = {f.name for f, _ in _rows()}
+    return frozenset(k for k in vars(p.parse_known_args(list(argv))[0]) if k in names)
+
+
+def differing_options(options: RunConfig) -> frozenset[str]:
+    """The options that differ from their defaults: what a caller of the Python API asked for."""
+    return frozenset(f.name for f, _ in _rows() if getattr(options, f.name) != f.default)
+
+
+def budget_options() -> frozenset[str]:
+    """The rows marked ``budget``: what ``--resume`` lets the user change."""
+    return frozenset(f.name for f, _ in _rows() if f.metadata["budget"])

@@ -5,7 +5,8 @@ so a bad option fails before any rank starts), solves the NonF reference for f* 
 named dataset, writes the plan to ``<out>/config.json``,
 starts ``mpiexec -n q python -m mpi4py -m parties.rank`` (see :mod:`parties.rank`) and, when the job
 ends, turns its outcome into one line and an exit code (:data:`EXIT_CODES`): which party failed
-first, a divergence, a target not reached, an interrupt.
+first, a divergence, a target not reached, an interrupt. ``--resume`` resolves nothing: it takes the
+run's saved plan with the user's budget changes (:mod:`parties.resume`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-from parties.checkpoint import MANIFEST, complete_epochs
-from parties.config import ConfigError, RunConfig
+from parties.checkpoint import MANIFEST, atomic_write, complete_epochs
+from parties.config import ConfigError, RunConfig, differing_options
 from parties.outcomes import EXIT_CODES, divergence_advice, find_stop
-from parties.plan import JobPlan, csv_party_folder, job_dataset, resolve
+from parties.plan import LEADER_ONLY, JobPlan, csv_party_folder, job_dataset, resolve, shared_part
+from parties.resume import restored_line, resumed_plan
 from vertical.datasets.csv_parties import is_csv_folder
 from vertical.problems import get_problem
 
@@ -61,12 +63,11 @@ def write_party_files(plan: JobPlan, out: Path) -> str:
     from vertical.datasets import split_to_party_files
     from vertical.partition import random_blocks
 
-    folder = out / "parties"
-    if not (plan.resume and (folder / "manifest.json").exists()):
-        ds = job_dataset(plan.dataset, plan.seed, plan.data_dir)
-        blocks = random_blocks(ds.n_features, plan.parties, seed=plan.seed)
-        split_to_party_files(ds, blocks, list(range(plan.active)), folder, partition_seed=plan.seed,
-                             overwrite=True, layout="folder", column_order="auto")
+    folder = out / "parties"  # a fresh run's (a resumed run reads the files it wrote: parties.resume)
+    ds = job_dataset(plan.dataset, plan.seed, plan.data_dir)
+    blocks = random_blocks(ds.n_features, plan.parties, seed=plan.seed)
+    split_to_party_files(ds, blocks, list(range(plan.active)), folder, partition_seed=plan.seed,
+                         overwrite=True, layout="folder", column_order="auto")
     job_dataset.cache_clear()  # the launcher only waits from now on: let the data go
     return str(folder)
 
@@ -89,32 +90,37 @@ def convert_csv_party_files(plan: JobPlan, out: Path) -> str:
     return str(folder)
 
 
-def launch(config: RunConfig, *, extra_env: dict[str, str] | None = None, echo: bool = True) -> int:
+def launch(config: RunConfig, *, given: frozenset[str] | None = None, extra_env: dict[str, str] | None = None,
+           echo: bool = True) -> int:
     """Validate, prepare and run a job under ``mpiexec``; returns the exit code (:data:`EXIT_CODES`).
 
-    ``echo=False`` keeps the job's own output (progress, summary) off the terminal; the launcher's
-    one-line verdict on a failure is printed either way. A caller that needs the plan (the party files
-    trained on, the run folder) calls :func:`prepare` and :func:`run_plan` itself.
+    ``given``: the options the user set explicitly (what ``--resume`` checks against the run's, see
+    :func:`prepare`). ``echo=False`` keeps the job's own output (progress, summary) off the terminal;
+    the launcher's one-line verdict on a failure is printed either way. A caller that needs the plan
+    (the party files trained on, the run folder) calls :func:`prepare` and :func:`run_plan` itself.
     """
-    return run_plan(prepare(config, echo=echo), extra_env=extra_env, echo=echo)
+    return run_plan(prepare(config, given=given, echo=echo), extra_env=extra_env, echo=echo)
 
 
-def prepare(options: RunConfig, *, echo: bool = True) -> JobPlan:
+def prepare(options: RunConfig, *, given: frozenset[str] | None = None, echo: bool = True) -> JobPlan:
     """Resolve the job plan and make its run folder: the party files, f*, the channel keys, and
-    ``<out>/config.json`` (the plan every rank reads). Raises :class:`ConfigError` before ``mpiexec``."""
+    ``<out>/config.json`` (the plan every rank reads). Raises :class:`ConfigError` before ``mpiexec``.
+
+    With ``--resume`` the plan is the run's own (:mod:`parties.resume`): ``given`` names the options
+    the user set (default: those that differ from the defaults), and only budget options may differ."""
+    if options.resume:
+        return _prepare_resume(options, differing_options(options) if given is None else given, echo)
     plan = resolve(options)
     if echo and plan.noise_multiplier:
         print(f"vfl train: label-DP ε = {plan.epsilon:g}, δ = {plan.delta:g}: every batch gradient gets "
               f"Gaussian noise of multiplier σ = {plan.noise_multiplier:.3g}"
               + (f", each party's rows clipped at the {plan.clip_quantile:g}-quantile of their norms"
                  if plan.clip_quantile < 1 else ""), flush=True)
-    chosen_for_the_user = options.out is None and not options.resume
+    chosen_for_the_user = options.out is None
     out = run_folder(plan)  # named after the resolved dataset (news20-standin, not news20)
-    if options.resume:
-        complete_epochs(out)  # a missing or damaged checkpoint is a usage error, found before mpiexec
     plan = dataclasses.replace(plan, out=str(out))
     if (options.reference and options.f_star is None and options.party_files is None
-            and options.label_privacy == "none"):
+            and options.label_privacy == "none"):  # dp|he: a deployment's launcher has no pooled labels
         plan = dataclasses.replace(plan, f_star=reference_f_star(plan))
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -128,11 +134,41 @@ def prepare(options: RunConfig, *, echo: bool = True) -> JobPlan:
         plan = dataclasses.replace(plan, party_files=convert_csv_party_files(plan, out))
     if options.secure_channels:
         plan = pin_channel_keys(plan)
-    config_path.write_text(plan.to_json() + "\n")
-    _clear_stale(out, options.resume)
+    write_plan(plan)
+    _clear_stale(out, resume=False)
     if chosen_for_the_user:
         _point_latest_to(out)
     return plan
+
+
+def _prepare_resume(options: RunConfig, given: frozenset[str], echo: bool) -> JobPlan:
+    """``--resume``: the run's saved plan with the user's budget changes; every check comes before the
+    first write, so a refused resume leaves the folder as it was."""
+    out = run_folder(options)
+    plan = resumed_plan(options, given, out)
+    if echo:
+        print(restored_line(plan), flush=True)
+    if plan.secure_channels:
+        plan = pin_channel_keys(plan)  # a fresh job id: messages of the interrupted job are not this one's
+    write_plan(plan)
+    _clear_stale(out, resume=True)
+    return plan
+
+
+def write_plan(plan: JobPlan) -> None:
+    """``<out>/config.json``, the plan every rank reads, and the leader's own file with what the others
+    must not read (:func:`parties.plan.shared_part`)."""
+    shared, leader_only = shared_part(plan)
+    assert shared.out is not None
+    config_path = Path(shared.out) / "config.json"
+    atomic_write(config_path, lambda fh: fh.write((shared.to_json() + "\n").encode()))
+    config_path.chmod(0o644)  # every rank reads it, as before (atomic_write makes owner-only files)
+    path = plan.party_folder(0) / LEADER_ONLY
+    if leader_only:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda fh: fh.write(json.dumps(leader_only).encode()))
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _clear_stale(out: Path, resume: bool) -> None:
@@ -253,7 +289,8 @@ def _point_latest_to(out: Path) -> None:
 
 def _interrupted(out: Path) -> int:
     try:
-        where = f"the last complete epoch is {complete_epochs(out):g}; resume with --resume"
+        where = (f"the last complete epoch is {complete_epochs(out):g}; resume with --resume --out {out} "
+                 "(the run's options come from its config.json)")
     except (FileNotFoundError, ValueError):
         where = "no epoch was complete yet"
     print(f"vfl train: interrupted; {where}.", file=sys.stderr)

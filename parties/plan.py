@@ -70,23 +70,54 @@ class JobPlan:
         return self.party_folder(rank) / f"party-{rank}.channel.key"
 
     def to_json(self) -> str:
-        """One flat object: the options, with the resolved values in place of the requested ones."""
+        """One flat object: the options, with the resolved values in place of the requested ones, and
+        under ``"options"`` the options as the user gave them (what ``--resume`` compares with)."""
         record = dataclasses.asdict(self.options)
         record.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                        if f.name != "options"})
         if self.channel_public_keys is not None:
             record["channel_public_keys"] = list(self.channel_public_keys)
+        record["options"] = dataclasses.asdict(self.options)
         return json.dumps(record, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> JobPlan:
         record = json.loads(text)
-        options = RunConfig(**{k: v for k, v in record.items() if k in _OPTION_NAMES})
+        given = record.get("options", record)  # a plan written before "options" was kept: the flat one
+        options = RunConfig(**{k: v for k, v in given.items() if k in _OPTION_NAMES})
         keys = record.get("channel_public_keys")
         return cls(options, out=record.get("out"), party_files=record.get("party_files"),
                    dataset=record["dataset"], f_star=record.get("f_star"),
                    noise_multiplier=record.get("noise_multiplier"), job_id=record.get("job_id"),
                    channel_public_keys=None if keys is None else tuple(keys))
+
+
+# ------------------------------------------------------------------------- what only the leader reads
+
+#: The leader's own file, in its party folder: what the job needs but the shared config.json must not
+#: carry under ``--label-privacy dp|he`` (f*, a function of all the labels).
+LEADER_ONLY = "leader-only.json"
+
+
+def shared_part(plan: JobPlan) -> tuple[JobPlan, dict[str, Any]]:
+    """The plan every rank reads, and what goes to the leader's own file instead (:data:`LEADER_ONLY`).
+
+    Under ``--label-privacy dp|he`` a passive party must learn nothing computed from the labels, and
+    f* (given with ``--f-star``) is: it stays out of ``config.json`` and only the leader reads it. With
+    no label privacy a passive party learns the labels from ϑ anyway, so f* stays in the plan."""
+    if plan.label_privacy == "none" or plan.f_star is None:
+        return plan, {}
+    shared = dataclasses.replace(plan, f_star=None, options=dataclasses.replace(plan.options, f_star=None))
+    return shared, {"f_star": plan.f_star}
+
+
+def leader_view(plan: JobPlan, rank: int) -> JobPlan:
+    """The plan as party ``rank`` uses it: the leader (rank 0) adds its own file's values."""
+    path = plan.party_folder(0) / LEADER_ONLY
+    if rank != 0 or not path.exists():
+        return plan
+    f_star = json.loads(path.read_text()).get("f_star")  # only ever --f-star: no reference under dp|he
+    return dataclasses.replace(plan, f_star=f_star, options=dataclasses.replace(plan.options, f_star=f_star))
 
 
 def resolve(options: RunConfig) -> JobPlan:

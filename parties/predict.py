@@ -13,7 +13,6 @@ files of ``vfl split``), so predicting needs only the run folder.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -47,8 +46,12 @@ def predict(run_dir: str | Path, *, split: str = "test", output: str | Path | No
 
 
 def _run_config(run: Path) -> JobPlan:
-    """The run's plan, with ``out`` where the run folder is now (it may have moved)."""
-    return dataclasses.replace(JobPlan.from_json((run / "config.json").read_text()), out=str(run))
+    """The run's saved plan (:func:`parties.resume.load_run`): ``out`` and its party files where the
+    run folder is now, and nothing the run drew once drawn again (a ``--label-privacy dp`` run's
+    randomized response is read back, not redrawn over the file a resume needs)."""
+    from parties.resume import load_run
+
+    return load_run(run)
 
 
 def _party_rows(config: JobPlan, rank: int, split: str):

@@ -13,7 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from parties.plan import JobPlan
+from parties.plan import JobPlan, leader_view
 
 
 def run_party(config: JobPlan) -> None:
@@ -37,6 +37,7 @@ def run_party(config: JobPlan) -> None:
     name_os_thread(f"p{rank}-main")
     if size != config.parties:
         raise SystemExit(f"config says {config.parties} parties but mpiexec started {size} ranks")
+    config = leader_view(config, rank)  # the leader adds what only it may read (f* under label privacy)
     Path(config.out).mkdir(parents=True, exist_ok=True)
     (Path(config.out) / f"party-{rank}.pid").write_text(str(os.getpid()))
     try:

@@ -175,3 +175,59 @@ def test_clipping_bounds_every_row_at_a_quantile_of_the_norms_and_leaves_the_res
     assert row_norm_bound(np.zeros(0), 0.5) == 0.0
     with pytest.raises(ValueError, match="quantile"):
         row_norm_bound(norms, 0.0)
+
+
+def test_noisy_he_needs_the_logistic_loss_whose_sensitivity_the_noise_is_sized_for():
+    """One label moves ϑ by exactly 1 for the logistic loss only: least squares' ϑ = 2(z − y) moves by
+    any amount (the noise would cover nothing), so he --epsilon with another loss is refused."""
+    base = dict(dataset="breast-cancer", parties=3, active=1, algorithm="sgd", label_privacy="he",
+                batch_size=64, epsilon=1.0)
+    validate(RunConfig(**{**base, "problem": "nonconvex-logistic"}))  # the same loss, another regularizer
+    for problem in ("least-squares", "robust"):
+        with pytest.raises(ConfigError, match=f"needs a logistic loss, not --problem {problem}.*exactly 1"):
+            validate(RunConfig(**{**base, "problem": problem}))
+    validate(RunConfig(**{**base, "problem": "least-squares", "epsilon": None}))  # no noise, no claim
+    with pytest.raises(ConfigError, match="does not take --f-star: f\\* is computed from all the labels"):
+        validate(RunConfig(**{**base, "f_star": 0.3}))
+
+
+def test_no_passive_party_reads_f_star_under_label_privacy(tmp_path):
+    """f* is a function of all the labels. Under dp the launcher solves no reference; under he a given
+    --f-star goes to the leader's own file, never into config.json, which every party reads."""
+    import json
+
+    from parties.launch import prepare
+    from parties.plan import LEADER_ONLY, leader_view
+
+    common = dict(dataset="breast-cancer", parties=3, active=1, progress=False)
+    dp = prepare(RunConfig(**common, label_privacy="dp", epsilon=1.0, out=str(tmp_path / "dp")), echo=False)
+    assert dp.f_star is None and json.loads((tmp_path / "dp" / "config.json").read_text())["f_star"] is None
+    he = prepare(RunConfig(**common, label_privacy="he", algorithm="sgd", batch_size=64, f_star=0.25,
+                           out=str(tmp_path / "he"), party_dir=str(tmp_path / "org{rank}")), echo=False)
+    assert he.f_star == 0.25
+    shared = (tmp_path / "he" / "config.json").read_text()
+    assert "0.25" not in shared and json.loads(shared)["f_star"] is None
+    for rank in (1, 2):  # a passive party's view: config.json and its own folder
+        assert not (tmp_path / f"org{rank}" / LEADER_ONLY).exists()
+        assert leader_view(JobPlan.from_json(shared), rank).f_star is None
+    assert leader_view(JobPlan.from_json(shared), 0).f_star == 0.25  # the leader's own file
+
+
+@pytest.mark.mpi
+def test_predict_reads_the_run_as_it_is_and_draws_no_second_randomized_response(tmp_path):
+    """``vfl predict RUN`` takes the run's saved plan: its party files where the folder is now (moved
+    here), and the randomized response read back, never drawn again over the file a --resume needs."""
+    import shutil
+
+    from parties.predict import predict
+
+    first = tmp_path / "first"
+    train(first, "-n", "3", "-m", "1", "--algorithm", "sgd", "--dataset", "breast-cancer", "--lam", "0.01",
+          "--label-privacy", "dp", "--epsilon", "1", "--epochs", "1")
+    run = tmp_path / "moved"
+    shutil.move(first, run)
+    drawn = (run / "label-dp-0.npz").read_bytes()
+    assert predict(run) == 0
+    assert (run / "label-dp-0.npz").read_bytes() == drawn
+    rows = np.loadtxt(run / "predictions-test.csv", delimiter=",", skiprows=1)
+    assert rows.shape == (load("breast-cancer", seed=0).n_test, 3)

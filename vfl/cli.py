@@ -134,11 +134,12 @@ def _cmd_reference(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from parties.config import from_args
-    from parties.hosts import mpiexec_env
+    from parties.config import from_args, given_options
+    from parties.hosts import add_arguments, mpiexec_env
     from parties.launch import launch
 
-    return launch(from_args(args), extra_env=mpiexec_env(args))
+    given = given_options(args.argv[1:], add_arguments)  # what --resume checks against the run's options
+    return launch(from_args(args), given=given, extra_env=mpiexec_env(args))
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -293,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in ("hfl-train", "hfl-split"):
         return _run_hfl(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the words themselves: which options were given, not only their values
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
