@@ -33,6 +33,11 @@ def test_logistic_regression_fits_to_the_nonf_optimum_and_scores(tmp_path):
     assert sorted(np.concatenate(model.columns_)) == list(range(30))
     assert model.history_[-1]["epoch"] == 8
     assert model.run_dir_ == tmp_path / "run" and (model.run_dir_ / "metrics.jsonl").exists()   # asked for
+    proba = model.predict_proba(X)  # scikit-learn's contract: one column per class, rows sum to 1
+    assert proba.shape == (X.shape[0], 2) and np.allclose(proba.sum(axis=1), 1.0)
+    np.testing.assert_allclose(proba[:, 1], 1 / (1 + np.exp(-model.decision_function(X))), rtol=1e-12)
+    assert np.array_equal(model.classes_[proba.argmax(axis=1)], model.predict(X))
+    np.testing.assert_allclose(model.predict_log_proba(X), np.log(proba), atol=1e-12)
 
 
 def test_linear_regression_and_the_scikit_learn_protocol(tmp_path):

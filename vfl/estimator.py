@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
+from scipy.special import expit, log_expit
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.utils.validation import check_is_fitted
 
@@ -184,6 +185,17 @@ class VerticalLogisticRegression(ClassifierMixin, _VerticalEstimator):
 
     def predict(self, X) -> np.ndarray:
         return self.classes_[(self.decision_function(X) >= 0).astype(int)]
+
+    def predict_proba(self, X) -> np.ndarray:
+        """``[n, 2]``: P(classes_[0] | x), P(classes_[1] | x) = 1 − σ(w·x), σ(w·x) (the logistic model the
+        run fitted; scikit-learn's column order)."""
+        positive = expit(self.decision_function(X))
+        return np.column_stack([1.0 - positive, positive])
+
+    def predict_log_proba(self, X) -> np.ndarray:
+        """The log of :meth:`predict_proba`, computed without underflow for large scores."""
+        z = self.decision_function(X)
+        return np.column_stack([log_expit(-z), log_expit(z)])
 
 
 class VerticalLinearRegression(RegressorMixin, _VerticalEstimator):
