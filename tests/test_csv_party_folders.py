@@ -62,7 +62,10 @@ def test_vfl_split_takes_one_labelled_csv_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("texts, fragments", [
-    ((ACTIVE, PASSIVE.replace("11,8,", "11,nan,")), ["party-1.csv, line 3", "nan"]),
+    ((ACTIVE, PASSIVE.replace("11,8,", "11,nan,")),
+     ["party-1.csv, line 3", "column 'visits' holds 'nan', which is not a finite number"]),
+    ((ACTIVE, PASSIVE.replace("11,8,", "11,-Infinity,")),
+     ["party-1.csv, line 3", "column 'visits' holds '-Infinity', which is not a finite number"]),
     ((ACTIVE, PASSIVE.replace("id,visits,split", "id,visits,label,split").replace(",train", ",1,train")
       .replace(",test", ",0,test")), ["party-1.csv", "contains labels", "passive"]),
     ((PASSIVE, PASSIVE), ["party-0.csv", "no labels"]),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,21 +55,24 @@ class CsvTable:
             row, col = (int(i[0]) for i in np.nonzero(missing))
             raise DataValidationError(f"{self.path}, line {self.lines[row]}: missing value in column "
                                       f"{self.header[columns[col]]!r}")
-        block = np.where(missing, "nan", block)
         try:
-            return block.astype(np.float64)
+            values = np.where(missing, "nan", block).astype(np.float64)
         except ValueError:
-            pass
-        for row in range(block.shape[0]):  # slow path, only to name the offending cell
-            for col in range(block.shape[1]):
-                try:
-                    float(block[row, col])
-                except ValueError:
-                    raise DataValidationError(
-                        f"{self.path}, line {self.lines[row]}: column {self.header[columns[col]]!r} holds "
-                        f"{str(block[row, col])!r}, which is not a number"
-                    ) from None
-        raise AssertionError("unreachable: astype failed but every cell parsed")
+            values = None
+        # a cell that does not parse, or that spells a non-finite number ("inf", "nan"): named by its
+        # line and column here, as a text error is, rather than by a column index further down
+        bad = np.ones(block.shape, dtype=bool) if values is None else ~np.isfinite(values) & ~missing
+        for row, col in zip(*np.nonzero(bad), strict=True):  # only to name the first offending cell
+            try:
+                finite = math.isfinite(float(block[row, col]))
+            except ValueError:
+                finite = False
+            if not finite:
+                raise DataValidationError(
+                    f"{self.path}, line {self.lines[row]}: column {self.header[columns[col]]!r} holds "
+                    f"{str(block[row, col])!r}, which is not a finite number")
+        assert values is not None, "astype failed but every cell parsed"
+        return values
 
 
 def read_csv(path: Path) -> CsvTable:
