@@ -169,8 +169,8 @@ def test_csv_party_file_layout(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "message"), [
     (CSV_ACTIVE.replace("11,2.5,3,0", "11,2.5,3,2"), r"bank\.csv, line 3: label 2\.0 is not valid for a bin"),
     (CSV_ACTIVE.replace("11,2.5,3,0", "11,2.5,3,NA"), r"bank\.csv, line 3: label nan is not valid"),
-    (CSV_ACTIVE.replace("11,2.5,3,0", "11,nan,3,0"), r"bank\.csv, line 3: feature column 0 is nan"),
-    (CSV_ACTIVE.replace("11,2.5,3,0", "11,2.5,inf,0"), r"bank\.csv, line 3: feature column 1 is inf"),
+    (CSV_ACTIVE.replace("11,2.5,3,0", "11,nan,3,0"), r"bank\.csv, line 3: column 'age' holds 'nan'"),
+    (CSV_ACTIVE.replace("11,2.5,3,0", "11,2.5,inf,0"), r"bank\.csv, line 3: column 'income' holds 'inf'"),
     (CSV_ACTIVE.replace("11,2.5,3,0", "11,,3,0"), r"bank\.csv, line 3: missing value in column 'age'"),
     (CSV_ACTIVE.replace("11,2.5,3,0", "11,2.5,abc,0"), r"bank\.csv, line 3: column 'income' holds 'abc'"),
     (CSV_ACTIVE.replace("11,2.5,3,0,train\n", "\n"), r"bank\.csv, line 3: the line is blank"),
