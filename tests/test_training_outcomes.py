@@ -53,7 +53,10 @@ def test_resume_takes_the_newest_epoch_every_party_completed(tmp_path):
     proc = train(tmp_path, *CANCER, "-n", "3", "-m", "1", "--epochs", "4", "--resume")
     assert "resuming from epoch 2" in proc.stdout
     assert not (tmp_path / "party-1.ckpt.npz.tmp").exists()
-    resumed = metrics(tmp_path)[len(first):]
+    both = metrics(tmp_path)
+    assert [r["epoch"] for r in both] == [0, 1, 2, 3, 4]  # epoch 3, never marked, is trained again
+    assert both[:2] == first[:2]
+    resumed = both[2:]
     assert resumed[0]["epoch"] == 2 and resumed[0]["loss"] == pytest.approx(first[2]["loss"], rel=1e-12)
     assert resumed[0]["updates"] == first[2]["updates"]  # counters continue across a resume
     assert resumed[-1]["epoch"] == 4 and resumed[-1]["updates"] > first[-1]["updates"]
