@@ -255,3 +255,18 @@ def test_bad_indices_and_dtypes_are_refused(tmp_path: Path, change) -> None:
         change = {"X_train_indices": indices}
     with pytest.raises(DataValidationError, match=r"party-0\.npz"):
         load_party_file(_tampered(tmp_path, **change))
+
+
+def test_vfl_train_on_a_tampered_party_file_is_one_line(tmp_path: Path, capsys) -> None:
+    from vfl.cli import main
+
+    folder = tmp_path / "parts"
+    split_to_party_files(sparse_dataset(), contiguous_blocks(17, 3), [0], folder)
+    with np.load(folder / "party-1.npz") as z:
+        arrays = {key: z[key] for key in z.files}
+    arrays["X_train_indptr"] = arrays["X_train_indptr"][::-1].copy()
+    np.savez(folder / "party-1.npz", **arrays)
+    code = main(["train", "--party-files", str(folder), "-n", "3", "-m", "1", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and err.startswith("vfl train: error: ")
+    assert "party-1.npz (X_train)" in err
