@@ -49,6 +49,7 @@ from vertical.datasets.validation import (
     check_finite_features,
     checked_csr,
     checked_labels,
+    integer_ids,
     locate_rows,
 )
 from vertical.partition import block_of, blocks_from_columns, column_counts, order_columns
@@ -320,12 +321,7 @@ def _load_csv(path: Path, task: str | None) -> PartyData:
     id_column = table.column_index("id")
     special = {"id", "label", "split"}
     feature_columns = [j for j, name in enumerate(table.header) if name not in special]
-    ids_float = table.numeric([id_column])[:, 0]
-    bad = np.flatnonzero(ids_float != np.round(ids_float))
-    if bad.size:
-        raise DataValidationError(f"{path}, line {table.lines[bad[0]]}: id {ids_float[bad[0]].item()!r} "
-                                  f"is not an integer")
-    ids = ids_float.astype(np.int64)
+    ids = integer_ids(table.cells[:, id_column], table.locate())  # exactly: never through a float
     is_test = np.zeros(table.n_rows, dtype=bool)
     if "split" in table.header:
         split = table.cells[:, table.column_index("split")]

@@ -15,6 +15,7 @@ What counts as valid (decisions):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -146,3 +147,30 @@ def checked_csr(where: str, data: np.ndarray, indices: np.ndarray, indptr: np.nd
     if not X.has_canonical_format:
         raise DataValidationError(f"{where}: column indices are not sorted and unique within each row")
     return X
+
+
+_INTEGER_ID = re.compile(r"[+-]?[0-9]+(?:\.0*)?")
+_INT64 = np.iinfo(np.int64)
+
+
+def integer_id(text: str) -> int | None:
+    """A sample id written as an integer (``42``, ``+42``, ``42.0``), parsed exactly: ``None`` when it is
+    not one. Never through a float: 2^53 and 2^53 + 1 are two ids, not one."""
+    text = text.strip()
+    if not _INTEGER_ID.fullmatch(text):
+        return None
+    return int(text.split(".", 1)[0])
+
+
+def integer_ids(cells: np.ndarray, locate: Locate) -> np.ndarray:
+    """A column of id cells as int64, each parsed exactly; an id that is no integer, or does not fit
+    in 64 bits, is an error at its first occurrence."""
+    ids = np.empty(len(cells), dtype=np.int64)
+    for row, cell in enumerate(cells):
+        value = integer_id(str(cell))
+        if value is None or not _INT64.min <= value <= _INT64.max:
+            shown = str(cell) if len(str(cell)) <= 40 else str(cell)[:40] + "…"
+            what = "is not an integer" if value is None else "does not fit in 64 bits"
+            raise DataValidationError(f"{locate(row)}: id {shown!r} {what}")
+        ids[row] = value
+    return ids
