@@ -256,7 +256,7 @@ def test_an_id_past_64_bits_is_one_line_naming_the_line(tmp_path: Path) -> None:
 
     path = tmp_path / "party-0.csv"
     path.write_text(f"id,f\n1,2\n{2**64},3\n")
-    with pytest.raises(DataValidationError, match=r"party-0\.csv, line 3: id '18446744073709551616' does"):
+    with pytest.raises(DataValidationError, match=r"party-0\.csv, line 3: id 18446744073709551616 does"):
         load_party_file(path)
 
 

@@ -169,8 +169,9 @@ def integer_ids(cells: np.ndarray, locate: Locate) -> np.ndarray:
     for row, cell in enumerate(cells):
         value = integer_id(str(cell))
         if value is None or not _INT64.min <= value <= _INT64.max:
-            shown = str(cell) if len(str(cell)) <= 40 else str(cell)[:40] + "…"
+            text = str(cell).strip()
+            shown = "(empty)" if not text else text if len(text) <= 40 else text[:40] + "…"
             what = "is not an integer" if value is None else "does not fit in 64 bits"
-            raise DataValidationError(f"{locate(row)}: id {shown!r} {what}")
+            raise DataValidationError(f"{locate(row)}: id {shown} {what}")
         ids[row] = value
     return ids
