@@ -157,13 +157,32 @@ def _no_constant(name: str) -> float:
     raise ValueError(f"{name} is no epoch count")
 
 
-def _read(path: Path) -> dict[str, np.ndarray]:
-    """A party file's four arrays, no pickles; any damage is a ``ValueError`` naming the file."""
+def _read(path: Path, n_features: int | None = None) -> tuple[dict[str, np.ndarray], tuple[int, ...]]:
+    """A party file's counters, and its block when it has ``n_features`` weights (else not read), with
+    the block's shape. No pickles, and no array is read before its header says it is the size it
+    should be (a planted file could announce gigabytes); any damage is a ``ValueError`` naming it."""
     try:
         with np.load(path, allow_pickle=False) as z:
-            return {key: z[key] for key in ("w", "epochs", "train_time", "updates")}
+            for key in ("epochs", "train_time", "updates"):
+                if _member_shape(z, key) != ():
+                    raise ValueError(f"{key} is not one number")
+            arrays = {key: z[key] for key in ("epochs", "train_time", "updates")}
+            shape = _member_shape(z, "w")
+            if n_features is not None and shape == (n_features,):
+                arrays["w"] = z["w"]
+            return arrays, shape
     except (OSError, KeyError, EOFError, ValueError) as exc:
         raise ValueError(f"{path} is damaged ({exc})") from None
+
+
+def _member_shape(z: np.lib.npyio.NpzFile, key: str) -> tuple[int, ...]:
+    """The shape the header of the array ``key`` of an npz announces, read without the array."""
+    with z.zip.open(f"{key}.npy") as fh:
+        version = np.lib.format.read_magic(fh)
+        fmt = np.lib.format
+        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, _, _ = read(fh)
+    return shape
 
 
 def _scalar(z: dict[str, np.ndarray], key: str, path: Path) -> float | int:
@@ -174,9 +193,12 @@ def _scalar(z: dict[str, np.ndarray], key: str, path: Path) -> float | int:
     return a.item()
 
 
-def _restored(z: dict[str, np.ndarray], path: Path, rank: int, n_features: int,
-              epochs: float) -> Checkpoint:
+def _restored(path: Path, rank: int, n_features: int, epochs: float) -> Checkpoint:
     """The block and counters of a party file whose epoch matched, each checked before use."""
+    z, shape = _read(path, n_features)
+    if shape != (n_features,):
+        raise ValueError(f"party {rank}: checkpoint {path} has a block of shape {shape}, "
+                         f"this party holds {n_features} features")
     train_time = _scalar(z, "train_time", path)
     updates = _scalar(z, "updates", path)
     if not math.isfinite(train_time) or train_time < 0:
@@ -186,9 +208,6 @@ def _restored(z: dict[str, np.ndarray], path: Path, rank: int, n_features: int,
     w = z["w"]
     if w.dtype.kind not in "iuf":
         raise ValueError(f"{path} is damaged: the block is not numbers")
-    if w.shape != (n_features,):
-        raise ValueError(f"party {rank}: checkpoint {path} has a block of shape {w.shape}, "
-                         f"this party holds {n_features} features")
     w = w.astype(np.float64)
     if not np.all(np.isfinite(w)):
         raise ValueError(f"{path} is damaged: the block holds NaN or infinite weights")
@@ -198,7 +217,7 @@ def _restored(z: dict[str, np.ndarray], path: Path, rank: int, n_features: int,
 def _epochs_in(path: Path) -> float | None:
     """The epoch a party file holds; ``None`` when there is none or it is unreadable."""
     try:
-        return _finite_epochs(_scalar(_read(path), "epochs", path), str(path))
+        return _finite_epochs(_scalar(_read(path)[0], "epochs", path), str(path))
     except (FileNotFoundError, ValueError):
         return None
 
@@ -215,12 +234,11 @@ def load_checkpoint(folder: str | Path, rank: int, n_features: int, epochs: floa
         if not path.exists():
             continue
         try:
-            z = _read(path)
-            held = _finite_epochs(_scalar(z, "epochs", path), f"{path} is damaged")
+            held = _finite_epochs(_scalar(_read(path)[0], "epochs", path), f"{path} is damaged")
         except ValueError as exc:
             damaged.append(str(exc))
             continue
         if abs(held - epochs) <= 1e-9:
-            return _restored(z, path, rank, n_features, epochs)
+            return _restored(path, rank, n_features, epochs)
     raise FileNotFoundError(f"party {rank}: no checkpoint of the complete epoch {epochs:g} in {folder}"
                             + "".join(f"; {why}" for why in damaged))

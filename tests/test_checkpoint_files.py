@@ -92,3 +92,25 @@ def test_the_resumed_epoch_is_logged_once(tmp_path):
     log.write_text("".join(json.dumps({"epoch": e, "loss": 1.0}) + "\n" for e in (0, 1, 2, 3)) + '{"epo')
     metrics_before(log, 2.0)
     assert [json.loads(line)["epoch"] for line in log.read_text().splitlines()] == [0, 1]
+
+
+def test_a_block_announcing_a_terabyte_is_refused_from_its_header(tmp_path):
+    """A planted ``w.npy`` whose header claims 2^40 weights (and holds none) is refused unread."""
+    import io
+    import zipfile
+
+    def member(array: np.ndarray | None, shape=None) -> bytes:
+        buf = io.BytesIO()
+        if array is not None:
+            np.lib.format.write_array(buf, array)
+        else:
+            header = {"descr": "<f8", "fortran_order": False, "shape": shape}
+            np.lib.format.write_array_header_1_0(buf, header)
+        return buf.getvalue()
+
+    with zipfile.ZipFile(checkpoint_path(tmp_path, 0), "w") as zf:
+        zf.writestr("w.npy", member(None, (2**40,)))
+        for key, value in (("epochs", 1.0), ("train_time", 0.5), ("updates", 3)):
+            zf.writestr(f"{key}.npy", member(np.array(value)))
+    with pytest.raises(ValueError, match=r"block of shape \(1099511627776,\), this party holds 3"):
+        load_checkpoint(tmp_path, 0, 3, 1.0)
