@@ -25,13 +25,17 @@ import numpy as np
 
 from parties.outcomes import STOP_LINE, find_stop
 from protocols import psi
+from vertical.datasets.validation import integer_id
 
 #: Exit codes, as for ``vfl train`` (parties.outcomes.EXIT_CODES).
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 #: Tags of the protocol's messages.
 TAG_RING, TAG_TAGS, TAG_LEADER_POS, TAG_OWNER_POS = 171, 172, 173, 174
-#: The largest set one party may announce (positions travel as int64, rows are counted in int32).
-MAX_IDS = 2**31 - 1
+#: The largest set one party may announce. Every party allocates 32 bytes per announced id for each
+#: list it receives (``Link.recv``), before any check of the list: an announced 2^31 ids would be 64 GiB
+#: per list. 50 million ids (1.6 GB a list) is past any table ``vfl align`` is meant for; a larger
+#: announcement ends the job naming its announcer, and a larger file is refused before the job starts.
+MAX_IDS = 50_000_000
 
 
 class AlignInputError(ValueError):
@@ -66,33 +70,54 @@ def read_header(path: Path, id_column: str) -> list[str]:
 
 
 def read_table(path: Path, id_column: str) -> PartyTable:
-    """One party's CSV file: header, rows, ids (stripped), with duplicates and empty input refused."""
+    """One party's CSV file: header, rows, ids (:func:`canonical_id`), with duplicates, empty input and
+    more than :data:`MAX_IDS` rows refused, each naming the file (and line)."""
     header = read_header(path, id_column)
     col = header.index(id_column)
     rows: list[list[str]] = []
     ids: list[str] = []
-    first_line: dict[str, int] = {}
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.reader(f)
-        next(reader)
-        for row in reader:
-            line = reader.line_num
-            if not row:
-                continue
-            if len(row) != len(header):
-                raise AlignInputError(f"{path} line {line}: {len(row)} fields, the header has {len(header)}")
-            ident = row[col].strip()
-            if not ident:
-                raise AlignInputError(f"{path} line {line}: empty id")
-            if ident in first_line:
-                raise AlignInputError(f"{path} line {line}: duplicate id {ident!r} "
-                                      f"(first on line {first_line[ident]})")
-            first_line[ident] = line
-            rows.append(row)
-            ids.append(ident)
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            next(reader)
+            _read_rows(path, reader, header, col, rows, ids)
+    except csv.Error as err:  # a field over csv.field_size_limit(), a NUL byte, ...
+        raise AlignInputError(f"{path} line {reader.line_num}: {err}") from None
+    except UnicodeDecodeError as err:
+        raise AlignInputError(f"{path}: not UTF-8 text ({err.reason})") from None
     if not ids:
         raise AlignInputError(f"{path}: no rows")
     return PartyTable(path, header, rows, ids)
+
+
+def canonical_id(cell: str) -> str:
+    """An id as PSI hashes it: an integer in one spelling (``007``, ``+7`` and ``7.0`` are ``7``, as the
+    party-file loader reads them), parsed exactly, never through a float; any other id as written."""
+    value = integer_id(cell)
+    return cell.strip() if value is None else str(value)
+
+
+def _read_rows(path: Path, reader, header: list[str], col: int, rows: list[list[str]],
+               ids: list[str]) -> None:
+    """The data rows of ``reader`` into ``rows`` and their ids into ``ids``; duplicates refused."""
+    first_line: dict[str, int] = {}
+    for row in reader:
+        line = reader.line_num
+        if not row:
+            continue
+        if len(row) != len(header):
+            raise AlignInputError(f"{path} line {line}: {len(row)} fields, the header has {len(header)}")
+        ident = canonical_id(row[col])
+        if not ident:
+            raise AlignInputError(f"{path} line {line}: empty id")
+        if len(ids) == MAX_IDS:
+            raise AlignInputError(f"{path}: more than {MAX_IDS:,} rows (the most one party may align)")
+        if ident in first_line:
+            raise AlignInputError(f"{path} line {line}: duplicate id {ident!r} "
+                                  f"(first on line {first_line[ident]})")
+        first_line[ident] = line
+        rows.append(row)
+        ids.append(ident)
 
 
 def write_aligned(table: PartyTable, rows: np.ndarray, out: Path) -> None:

@@ -8,15 +8,21 @@ from the restored ``w`` by the next full pass, which is the same as starting a n
 Why a manifest: an interrupt can stop the parties between their writes, leaving some blocks one
 epoch ahead of the others, and mixing them would resume from a model no run ever had. So an epoch is
 *complete* only when every party has written it; then the leader records it in
-``<out>/checkpoint.json`` (atomically) and tells the others which epoch that is. Each party keeps its
-previous block as ``party-<rank>.prev.ckpt.npz`` until the next epoch is complete, so the complete
-epoch can always be found, in one file or the other. ``--resume`` takes the complete epoch and says
+``<out>/checkpoint.json`` (atomically) and tells the others which epoch that is. Each party keeps a
+second file, ``party-<rank>.prev.ckpt.npz``, and never replaces the file holding the last *marked*
+epoch before a newer one is marked (:func:`save_checkpoint`'s ``keep``): after a crash before the mark,
+a resume from the marked epoch writes the next one over the stale newest file, not over the marked
+one, so no number of crashes loses the resume point. ``--resume`` takes the complete epoch and says
 which.
+
+Both the manifest and the blocks are read back as untrusted input (anyone who can write into the run
+folder wrote them): small, with finite counts, no pickles.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +30,12 @@ from pathlib import Path
 import numpy as np
 
 MANIFEST = "checkpoint.json"
+#: the manifest is one small JSON object; anything bigger is not one this module wrote
+MANIFEST_MAX_BYTES = 4096
+#: no run trains this many epochs; a larger count in a file is damage, not progress
+MAX_EPOCHS = 1e9
+#: dominated updates: an int64 count
+MAX_UPDATES = 2**62
 
 
 @dataclass(frozen=True)
@@ -59,14 +71,21 @@ def atomic_write(path: Path, write) -> None:
 
 
 def save_checkpoint(out: str | Path, rank: int, w: np.ndarray, epochs: float, train_time: float,
-                    updates: int) -> Path:
-    """Write this party's block for the epoch just finished, keeping the previous one beside it."""
+                    updates: int, keep: float | None = None) -> Path:
+    """Write this party's block for the epoch just finished without losing the last marked one.
+
+    ``keep`` is the last epoch the leader marked complete (``None``: none of this run yet). The newest
+    file moves onto the previous one only when it holds ``keep``; otherwise it holds an epoch never
+    marked (left by a crash before the mark) and is simply overwritten, so the file holding ``keep``
+    (then the previous one) survives until a newer epoch is marked."""
     path = checkpoint_path(out, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
+    held = _epochs_in(path) if keep is not None else None
+    if held is not None and abs(held - keep) <= 1e-9:
         os.replace(path, _previous_path(out, rank))
     atomic_write(path, lambda fh: np.savez(fh, w=w, epochs=epochs, train_time=train_time, updates=updates))
     return path
+
 
 
 def mark_complete(out: str | Path, epochs: float) -> None:
@@ -75,32 +94,151 @@ def mark_complete(out: str | Path, epochs: float) -> None:
     atomic_write(Path(out) / MANIFEST, lambda fh: fh.write(text))
 
 
+def metrics_before(path: Path, epochs: float) -> None:
+    """Resume: keep only the records of ``metrics.jsonl`` before the resumed epoch ``epochs``.
+
+    The run evaluates again at the epoch it resumes from, and a crash before the mark may have logged
+    epochs past it that the resumed run trains again; each epoch is logged once, in order. Lines that
+    are not a record with a finite epoch (a line cut short by the crash) are dropped."""
+    if not path.exists():
+        return
+    kept = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                record = json.loads(line, parse_constant=_no_constant)
+                epoch = _finite_epochs(record["epoch"], str(path))
+            except (ValueError, KeyError, TypeError, RecursionError):
+                continue
+            if epoch < epochs - 1e-9:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    text = "".join(kept).encode()
+    atomic_write(path, lambda fh: fh.write(text))
+
+
+def _finite_epochs(value: object, where: str) -> float:
+    """An epoch count read back from a file or a peer: a finite, non-negative number no run exceeds
+    (a NaN or an infinity would make ``--resume`` train forever; a bool is no count)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{where}: the epoch count {value!r} is not a number; start without --resume")
+    epochs = float(value)
+    if not math.isfinite(epochs) or not 0 <= epochs <= MAX_EPOCHS:
+        raise ValueError(f"{where}: the epoch count {epochs!r} is not a finite count between 0 and "
+                         f"{MAX_EPOCHS:g}; start without --resume")
+    return epochs
+
+
 def complete_epochs(out: str | Path) -> float:
-    """The newest epoch every party completed; a clear error when the run has none."""
+    """The newest epoch every party completed; one clear error when the run has none or the manifest
+    is not the small ``{"epochs": <finite count>}`` this module writes."""
     path = Path(out) / MANIFEST
     if not path.exists():
         raise FileNotFoundError(f"{out}: no complete checkpoint to resume from ({MANIFEST} is missing); "
                                 "start without --resume")
+    damaged = f"{path} is damaged"
     try:
-        return float(json.loads(path.read_text())["epochs"])
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{path} is damaged: start without --resume") from None
+        with open(path, "rb") as fh:
+            text = fh.read(MANIFEST_MAX_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{damaged} ({exc.strerror}): start without --resume") from None
+    if len(text) > MANIFEST_MAX_BYTES:
+        raise ValueError(f"{damaged} (over {MANIFEST_MAX_BYTES} bytes): start without --resume")
+    try:
+        manifest = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ValueError(f"{damaged} (not JSON): start without --resume") from None
+    if not isinstance(manifest, dict) or "epochs" not in manifest:
+        raise ValueError(f"{damaged} (no epoch count): start without --resume")
+    return _finite_epochs(manifest["epochs"], damaged)
+
+
+def _no_constant(name: str) -> float:
+    """JSON's NaN and Infinity are no counts: refused while parsing."""
+    raise ValueError(f"{name} is no epoch count")
+
+
+def _read(path: Path, n_features: int | None = None) -> tuple[dict[str, np.ndarray], tuple[int, ...]]:
+    """A party file's counters, and its block when it has ``n_features`` weights (else not read), with
+    the block's shape. No pickles, and no array is read before its header says it is the size it
+    should be (a planted file could announce gigabytes); any damage is a ``ValueError`` naming it."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            for key in ("epochs", "train_time", "updates"):
+                if _member_shape(z, key) != ():
+                    raise ValueError(f"{key} is not one number")
+            arrays = {key: z[key] for key in ("epochs", "train_time", "updates")}
+            shape = _member_shape(z, "w")
+            if n_features is not None and shape == (n_features,):
+                arrays["w"] = z["w"]
+            return arrays, shape
+    except (OSError, KeyError, EOFError, ValueError) as exc:
+        raise ValueError(f"{path} is damaged ({exc})") from None
+
+
+def _member_shape(z: np.lib.npyio.NpzFile, key: str) -> tuple[int, ...]:
+    """The shape the header of the array ``key`` of an npz announces, read without the array."""
+    with z.zip.open(f"{key}.npy") as fh:
+        version = np.lib.format.read_magic(fh)
+        fmt = np.lib.format
+        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, _, _ = read(fh)
+    return shape
+
+
+def _scalar(z: dict[str, np.ndarray], key: str, path: Path) -> float | int:
+    """One numeric scalar of a party file, refused unless it is a real number of one element."""
+    a = z[key]
+    if a.shape != () or a.dtype.kind not in "iuf":
+        raise ValueError(f"{path} is damaged: {key} is not a number")
+    return a.item()
+
+
+def _restored(path: Path, rank: int, n_features: int, epochs: float) -> Checkpoint:
+    """The block and counters of a party file whose epoch matched, each checked before use."""
+    z, shape = _read(path, n_features)
+    if shape != (n_features,):
+        raise ValueError(f"party {rank}: checkpoint {path} has a block of shape {shape}, "
+                         f"this party holds {n_features} features")
+    train_time = _scalar(z, "train_time", path)
+    updates = _scalar(z, "updates", path)
+    if not math.isfinite(train_time) or train_time < 0:
+        raise ValueError(f"{path} is damaged: train_time {train_time!r} is not a finite duration")
+    if isinstance(updates, float) or not 0 <= updates <= MAX_UPDATES:
+        raise ValueError(f"{path} is damaged: updates {updates!r} is not a count")
+    w = z["w"]
+    if w.dtype.kind not in "iuf":
+        raise ValueError(f"{path} is damaged: the block is not numbers")
+    w = w.astype(np.float64)
+    if not np.all(np.isfinite(w)):
+        raise ValueError(f"{path} is damaged: the block holds NaN or infinite weights")
+    return Checkpoint(w, epochs, float(train_time), int(updates))
+
+
+def _epochs_in(path: Path) -> float | None:
+    """The epoch a party file holds; ``None`` when there is none or it is unreadable."""
+    try:
+        return _finite_epochs(_scalar(_read(path)[0], "epochs", path), str(path))
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def load_checkpoint(folder: str | Path, rank: int, n_features: int, epochs: float) -> Checkpoint:
     """This party's block of the complete epoch ``epochs`` (the leader's :func:`complete_epochs`) from
-    its own folder; stale temporary files there are removed."""
+    its own folder; stale temporary files there are removed. A file that is unreadable or holds another
+    epoch is passed over (the other may hold it); the one that holds it is checked whole."""
+    epochs = _finite_epochs(epochs, f"party {rank}: the complete epoch to resume from")
     for stale in Path(folder).glob(f"party-{rank}.*.tmp"):
         stale.unlink()
+    damaged = []
     for path in (checkpoint_path(folder, rank), _previous_path(folder, rank)):
         if not path.exists():
             continue
-        with np.load(path) as z:
-            if abs(float(z["epochs"]) - epochs) > 1e-9:
-                continue
-            w = z["w"].astype(np.float64)
-            if w.shape != (n_features,):
-                raise ValueError(f"party {rank}: checkpoint {path} has a block of {w.shape[0]} features, "
-                                 f"this party holds {n_features}")
-            return Checkpoint(w, epochs, float(z["train_time"]), int(z["updates"]))
-    raise FileNotFoundError(f"party {rank}: no checkpoint of the complete epoch {epochs:g} in {folder}")
+        try:
+            held = _finite_epochs(_scalar(_read(path)[0], "epochs", path), f"{path} is damaged")
+        except ValueError as exc:
+            damaged.append(str(exc))
+            continue
+        if abs(held - epochs) <= 1e-9:
+            return _restored(path, rank, n_features, epochs)
+    raise FileNotFoundError(f"party {rank}: no checkpoint of the complete epoch {epochs:g} in {folder}"
+                            + "".join(f"; {why}" for why in damaged))

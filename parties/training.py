@@ -22,7 +22,13 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from parties.checkpoint import complete_epochs, load_checkpoint, mark_complete, save_checkpoint
+from parties.checkpoint import (
+    complete_epochs,
+    load_checkpoint,
+    mark_complete,
+    metrics_before,
+    save_checkpoint,
+)
 from parties.config import RunConfig
 from parties.outcomes import Outcome
 from parties.plan import JobPlan, next_segment, segment_quota
@@ -114,6 +120,7 @@ class _Trainer:
         self.epochs = 0.0
         self.train_time = 0.0
         self.updates = 0
+        self.marked: float | None = None  # the last epoch the leader marked complete (none yet)
         self.initial_loss: float | None = None
         self.out = Path(config.out)
         self.folder = config.party_folder(self.rank)
@@ -137,10 +144,12 @@ class _Trainer:
         while outcome is Outcome.CONTINUE:
             next_snapshot = self._segment(next_snapshot)
             record = self._evaluate()
-            save_checkpoint(self.folder, self.rank, party.w, self.epochs, self.train_time, self.updates)
+            save_checkpoint(self.folder, self.rank, party.w, self.epochs, self.train_time, self.updates,
+                            keep=self.marked)
             self.rt.barrier()  # every party has written this epoch's block: it is complete
             if self.rank == LEADER:
                 mark_complete(self.out, self.epochs)
+            self.marked = self._marked(self.epochs if self.rank == LEADER else 0.0)
             outcome = self._decide(record)
         if self.bar is not None:
             self.bar.close()
@@ -152,7 +161,8 @@ class _Trainer:
 
     def _resume(self) -> None:
         """Restore this party's block and counters from the newest epoch every party completed."""
-        epochs = self.rt.broadcast_float(complete_epochs(self.out) if self.rank == LEADER else 0.0)
+        epochs = self._marked(complete_epochs(self.out) if self.rank == LEADER else 0.0)
+        self.marked = epochs
         ckpt = load_checkpoint(self.folder, self.rank, self.party.block.n_cols, epochs)
         self.party.w[:] = ckpt.w
         self.epochs, self.train_time, self.updates = ckpt.epochs, ckpt.train_time, ckpt.updates
@@ -161,10 +171,20 @@ class _Trainer:
                   f"({ckpt.updates} dominated updates, {ckpt.train_time:.2f} s of training so far)",
                   flush=True)
 
+    def _marked(self, epochs: float) -> float:
+        """The leader's marked epoch to every party, once it is in the manifest: a party keeps the file
+        holding it until it learns of a newer one (:func:`parties.checkpoint.save_checkpoint`)."""
+        word = self.rt.broadcast_float(epochs, root=LEADER)
+        if not math.isfinite(word) or word < 0:
+            raise ProtocolViolation(LEADER, "complete epoch", f"{word!r} is no epoch count")
+        return word
+
     def _open_outputs(self) -> None:
         """The leader's metrics log and progress bar."""
         config = self.config
         self.out.mkdir(parents=True, exist_ok=True)
+        if config.resume:  # the resumed epoch is evaluated (and logged) again next
+            metrics_before(self.out / "metrics.jsonl", self.epochs)
         self.log = open(self.out / "metrics.jsonl", "a" if config.resume else "w")  # noqa: SIM115
         if config.progress:
             from tqdm import tqdm

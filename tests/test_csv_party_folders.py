@@ -75,6 +75,8 @@ def test_vfl_split_takes_one_labelled_csv_file(tmp_path, capsys):
     ((ACTIVE, "id,visits,split\n"), ["party-1.csv: no training rows"]),
     ((ACTIVE, "id,split\n10,train\n11,train\n12,test\n13,train\n"), ["party-1.csv: no feature columns"]),
     ((ACTIVE,), ["missing party-1.csv"]),
+    ((ACTIVE.replace("2.5,3", "2.5," + "9" * ((128 << 10) + 1)), PASSIVE),
+     ["party-0.csv, line 3", "field larger than field limit"]),
 ])
 def test_bad_csv_folders_are_one_line_errors_before_mpiexec(tmp_path, capsys, texts, fragments):
     folder = write_folder(tmp_path / "csv", *texts)

@@ -179,7 +179,7 @@ def test_truncated_file_is_rejected(tmp_path: Path) -> None:
 
 
 def test_feature_index_beyond_the_published_width_is_rejected(tmp_path: Path) -> None:
-    with pytest.raises(DataValidationError, match=r"cannot read LIBSVM file\(s\) .*data\.svm"):
+    with pytest.raises(DataValidationError, match=r"data\.svm, line \d+: feature index 9 is beyond the 6 "):
         load_libsvm_text(tmp_path, LIBSVM_TEXT.replace("4:3", "9:3"))
 
 
@@ -378,3 +378,15 @@ def test_real_give_me_some_credit_gives_the_papers_92_features() -> None:
     ds = load("d2", seed=0)
     assert ds.n_train + ds.n_test == 120_269
     assert ds.n_features == 92
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+def test_a_huge_libsvm_index_is_one_line_naming_file_and_line(tmp_path: Path, suffix: str) -> None:
+    """scikit-learn's parser overflows on an index past a C int (a traceback without a line)."""
+    from vertical.datasets.libsvm import read_svmlight
+
+    path = write_text(tmp_path / f"big.svm{suffix}", "1 1:0.5\n\n-1 2:1 1000000000000:1\n")
+    where = r"big\.svm(\.gz)?, line 3: feature index 1000000000000"
+    with pytest.raises(DataValidationError, match=where) as e:
+        read_svmlight([path], 6)
+    assert "\n" not in str(e.value)

@@ -209,3 +209,64 @@ def test_csv_party_aligned_with_npz_party(tmp_path: Path) -> None:
     reordered = write_csv(tmp_path, "\n".join(["id,x,split", rows[1], rows[0], *rows[2:]]) + "\n", "r.csv")
     with pytest.raises(DataValidationError, match=r"train row 0: .*rows are not aligned"):
         check_aligned([npz, load_party_file(reordered)])
+
+
+def _tampered(tmp_path: Path, **changes: np.ndarray) -> Path:
+    """A valid sparse party file with some of its arrays replaced (as an untrusted peer could)."""
+    path, _ = split_to_party_files(sparse_dataset(), contiguous_blocks(17, 2), [0], tmp_path / "good",
+                                   overwrite=True)
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {key: z[key] for key in z.files}
+    arrays.update(changes)
+    bad = tmp_path / "party-0.npz"
+    np.savez(bad, **arrays)
+    return bad
+
+
+@pytest.mark.parametrize("name, make", [
+    ("decreasing", lambda p: np.concatenate([[0], p[1:-1][::-1], p[-1:]])),
+    ("out of range", lambda p: np.concatenate([p[:-1], [p[-1] + 10**6]])),
+    ("huge pointer", lambda p: np.concatenate([[0], np.full(p.size - 2, 2**40), p[-1:]])),
+    ("wrong length", lambda p: p[:-3]),
+    ("floats", lambda p: p.astype(np.float64)),
+    ("two-d", lambda p: p.reshape(1, -1)),
+])
+def test_a_party_file_with_a_bad_indptr_is_one_line_naming_the_file(tmp_path: Path, name, make) -> None:
+    with np.load(_tampered(tmp_path)) as z:
+        indptr = z["X_train_indptr"]
+    bad = _tampered(tmp_path, X_train_indptr=make(indptr))
+    with pytest.raises(DataValidationError, match=r"party-0\.npz \(X_train\)") as caught:
+        load_party_file(bad)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("change", [
+    {"X_train_indices": np.full(1, 10**9, dtype=np.int64)},
+    {"X_train_shape": np.array([40, 2**40])},
+    {"X_train_shape": np.array([-1, 3])},
+    {"X_train_data": np.array(["a"])},
+])
+def test_bad_indices_and_dtypes_are_refused(tmp_path: Path, change) -> None:
+    good = _tampered(tmp_path)
+    with np.load(good) as z:
+        indices = z["X_train_indices"].copy()
+    if "X_train_indices" in change:  # the right length, one index far past the block's width
+        indices[0] = change["X_train_indices"][0]
+        change = {"X_train_indices": indices}
+    with pytest.raises(DataValidationError, match=r"party-0\.npz"):
+        load_party_file(_tampered(tmp_path, **change))
+
+
+def test_vfl_train_on_a_tampered_party_file_is_one_line(tmp_path: Path, capsys) -> None:
+    from vfl.cli import main
+
+    folder = tmp_path / "parts"
+    split_to_party_files(sparse_dataset(), contiguous_blocks(17, 3), [0], folder)
+    with np.load(folder / "party-1.npz") as z:
+        arrays = {key: z[key] for key in z.files}
+    arrays["X_train_indptr"] = arrays["X_train_indptr"][::-1].copy()
+    np.savez(folder / "party-1.npz", **arrays)
+    code = main(["train", "--party-files", str(folder), "-n", "3", "-m", "1", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and err.startswith("vfl train: error: ")
+    assert "party-1.npz (X_train)" in err

@@ -223,3 +223,62 @@ def test_benchmark_quick_writes_its_outputs(tmp_path: Path) -> None:
     for name in ("results.csv", "table.md", "psi_time.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "intersection" in (tmp_path / "results.csv").read_text()
+
+
+# ------------------------------------------------------------------------------- ids and set sizes
+
+
+def test_ids_past_two_to_the_53_are_not_merged(tmp_path: Path) -> None:
+    """2^53 and 2^53 + 1 are the same float64: read exactly, they are two ids, and neither PSI nor the
+    party-file loader takes one for the other."""
+    from parties.align import canonical_id, read_table
+    from vertical.datasets import DataValidationError
+    from vertical.datasets.party_files import check_aligned, load_party_file
+
+    ids = (9007199254740992, 9007199254740993)
+    paths = []
+    for p, ident in enumerate(ids):
+        paths.append(tmp_path / f"party-{p}.csv")
+        paths[-1].write_text(f"id,f{p}{',label' if p == 0 else ''}\n{ident},1.5{',1' if p == 0 else ''}\n")
+    tables = [read_table(path, "id") for path in paths]
+    assert [t.ids for t in tables] == [[str(ids[0])], [str(ids[1])]]
+    assert psi.run_in_memory([t.ids for t in tables]).rows[0].size == 0
+    assert canonical_id(" 007 ") == canonical_id("+7.0") == "7" and canonical_id("a7") == "a7"
+    parties = [load_party_file(path, task="binary") for path in paths]
+    assert parties[0].train_ids.tolist() == [ids[0]] and parties[1].train_ids.tolist() == [ids[1]]
+    with pytest.raises(DataValidationError, match="not aligned"):
+        check_aligned(parties)
+
+
+def test_an_id_past_64_bits_is_one_line_naming_the_line(tmp_path: Path) -> None:
+    from vertical.datasets import DataValidationError
+    from vertical.datasets.party_files import load_party_file
+
+    path = tmp_path / "party-0.csv"
+    path.write_text(f"id,f\n1,2\n{2**64},3\n")
+    with pytest.raises(DataValidationError, match=r"party-0\.csv, line 3: id 18446744073709551616 does"):
+        load_party_file(path)
+
+
+class _Announcing:
+    """A communicator whose peers announce the given set sizes (what ``Allgather`` would deliver)."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+    def Get_size(self) -> int:
+        return len(self.sizes)
+
+    def Allgather(self, mine: np.ndarray, every: np.ndarray) -> None:
+        every[:] = self.sizes
+
+
+@pytest.mark.parametrize("announced", [2**31 - 1, 50_000_001, 0, -1])
+def test_a_set_size_past_the_maximum_is_refused_before_any_allocation(announced: int) -> None:
+    """A peer announcing 2^31 − 1 ids would make every party allocate 64 GiB for its list: the size
+    is checked first, and the job ends naming the announcer."""
+    from parties import align
+
+    with pytest.raises(psi.PsiError, match=rf"party 2 sent an invalid set size: {announced}"):
+        align._announce_sizes(_Announcing([10, 10, announced]), 10)
+    assert align._announce_sizes(_Announcing([10, align.MAX_IDS]), 10) == [10, align.MAX_IDS]

@@ -188,6 +188,7 @@ def test_streaming_split_equals_the_in_memory_split(tmp_path: Path) -> None:
     ("1 1:0.5\n-1 4:nan\n", r"line 2: feature 4 is nan \(features must be finite\)"),
     ("1 1:0.5\n2 4:1\n", r"line 2: label 2.0 is not valid for a binary task"),
     ("1 1:0.5\n-1 40:1\n", r"line 2: feature index 40 is beyond the 10 features"),
+    ("1 1:0.5\n-1 2:1 1000000000000:1\n", r"line 2: feature index 1000000000000 is beyond the "),
 ])
 def test_split_parse_errors_name_file_and_line(tmp_path: Path, text: str, message: str, capsys) -> None:
     path = tmp_path / "bad.svm"

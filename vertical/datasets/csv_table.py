@@ -80,15 +80,26 @@ def read_csv(path: Path) -> CsvTable:
     with open_binary(path) as raw, io.TextIOWrapper(raw, encoding="utf-8", newline="") as text:
         reader = csv.reader(text)
         try:
-            header = next(reader)
-        except StopIteration:
-            raise DataValidationError(f"{path}: the file is empty (a header row is required)") from None
-        rows, lines = [], []
-        for row in reader:
-            if len(row) != len(header):
-                what = "is blank" if not row else f"has {len(row)} fields, the header has {len(header)}"
-                raise DataValidationError(f"{path}, line {reader.line_num}: the line {what}")
-            rows.append(row)
-            lines.append(reader.line_num)
+            header, rows, lines = _rows(path, reader)
+        except csv.Error as error:  # a field over csv.field_size_limit(), a stray NUL, ...
+            raise DataValidationError(f"{path}, line {reader.line_num}: {error}") from None
+        except UnicodeDecodeError as error:  # decoded by the block: no line to name
+            raise DataValidationError(f"{path}: not UTF-8 text ({error.reason})") from None
     cells = np.array(rows, dtype=str).reshape(len(rows), len(header))
     return CsvTable(path, tuple(name.strip() for name in header), np.char.strip(cells), np.array(lines))
+
+
+def _rows(path: Path, reader) -> tuple[list[str], list[list[str]], list[int]]:
+    """The header, and every data row with its line, each row as wide as the header."""
+    try:
+        header = next(reader)
+    except StopIteration:
+        raise DataValidationError(f"{path}: the file is empty (a header row is required)") from None
+    rows, lines = [], []
+    for row in reader:
+        if len(row) != len(header):
+            what = "is blank" if not row else f"has {len(row)} fields, the header has {len(header)}"
+            raise DataValidationError(f"{path}, line {reader.line_num}: the line {what}")
+        rows.append(row)
+        lines.append(reader.line_num)
+    return header, rows, lines

@@ -12,6 +12,7 @@ Decisions:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import scipy.sparse as sp
 from sklearn.datasets import load_svmlight_files
 
 from vertical.datasets.base import Dataset, DatasetSpec, check_row_count, seeded_split
+from vertical.datasets.paths import open_binary
 from vertical.datasets.validation import (
     DataValidationError,
     check_finite_features,
@@ -27,15 +29,80 @@ from vertical.datasets.validation import (
     locate_rows,
 )
 
+#: scikit-learn's parser keeps a column index in a C int: a larger one overflows inside it
+MAX_INDEX = 2**31 - 2
+#: the bytes of whole lines a failed file is re-read by, to find the line at fault
+_SCAN_BYTES = 8 << 20
+
+
+def bad_libsvm_line(path: Path, text: bytes, first_line: int, width: int | None = None
+                    ) -> DataValidationError | None:
+    """The first line of ``text`` (whole lines of ``path`` from ``first_line``) that is no LIBSVM row:
+    a label or value that is no number, a field that is not ``index:value``, indices not increasing,
+    an index too large for the parser (or, given ``width``, past the file's 1-based width)."""
+    top = MAX_INDEX if width is None else min(MAX_INDEX, width)
+    for offset, raw in enumerate(text.split(b"\n")):
+        fields = raw.split(b"#", 1)[0].split()
+        if not fields:
+            continue
+        where = f"{path}, line {first_line + offset}"
+        try:
+            float(fields[0])
+        except ValueError:
+            return DataValidationError(f"{where}: label {_shown(fields[0])!r} is not a number")
+        previous = -1
+        for field in fields[1:]:
+            name, sep, value = field.partition(b":")
+            if name == b"qid":
+                continue
+            if not sep or not name.isdigit():
+                return DataValidationError(f"{where}: {_shown(field)!r} is not index:value")
+            try:
+                float(value)
+            except ValueError:
+                return DataValidationError(f"{where}: {_shown(field)!r} has a value that is not a number")
+            index = int(name) if len(name) <= 20 else math.inf
+            if index > top:
+                return DataValidationError(f"{where}: feature index {_shown(name)} is beyond the "
+                                           f"{top:,} features this reader takes")
+            if index <= previous:
+                return DataValidationError(f"{where}: feature indices must be increasing ({_shown(field)!r} "
+                                           f"after index {previous})")
+            previous = index
+    return None
+
+
+def _shown(field: bytes) -> str:
+    """A field of a file as a message shows it: decoded, and cut short."""
+    text = field.decode(errors="replace")
+    return text if len(text) <= 40 else text[:40] + "…"
+
+
+def _explained(paths: Sequence[Path], width: int, error: Exception) -> DataValidationError:
+    """Why scikit-learn refused ``paths``: the file and line at fault when one is found."""
+    for path in paths:
+        try:
+            with open_binary(path) as f:
+                line = 1
+                while text := f.read(_SCAN_BYTES):
+                    text += b"" if text.endswith(b"\n") else f.readline()
+                    found = bad_libsvm_line(path, text, line, width)
+                    if found is not None:
+                        return found
+                    line += text.count(b"\n")
+        except (OSError, EOFError):
+            continue
+    names = ", ".join(str(p) for p in paths)
+    return DataValidationError(f"cannot read LIBSVM file(s) {names}: {error}")
+
 
 def read_svmlight(paths: Sequence[Path], n_features: int) -> list[tuple[sp.csr_matrix, np.ndarray]]:
-    """``(X, y)`` per file, all with ``n_features`` columns; parse errors name the files."""
+    """``(X, y)`` per file, all with ``n_features`` columns; parse errors name the file and line."""
     try:
         loaded = load_svmlight_files([str(p) for p in paths], n_features=n_features, dtype=np.float64,
                                      zero_based="auto", query_id=False)
-    except (ValueError, OSError, EOFError) as error:
-        names = ", ".join(str(p) for p in paths)
-        raise DataValidationError(f"cannot read LIBSVM file(s) {names}: {error}") from error
+    except (ValueError, OverflowError, OSError, EOFError) as error:  # OverflowError: an index past a C int
+        raise _explained(paths, n_features, error) from None
     pairs = []
     for X, y in zip(loaded[0::2], loaded[1::2], strict=True):
         X = sp.csr_matrix(X, dtype=np.float64)

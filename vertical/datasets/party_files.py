@@ -47,7 +47,9 @@ from vertical.datasets.validation import (
     TASKS,
     DataValidationError,
     check_finite_features,
+    checked_csr,
     checked_labels,
+    integer_ids,
     locate_rows,
 )
 from vertical.partition import block_of, blocks_from_columns, column_counts, order_columns
@@ -272,15 +274,23 @@ def _validated(data: PartyData, expect_labels: bool | None) -> PartyData:
 
 
 def _npz_matrix(path: Path, arrays: np.lib.npyio.NpzFile, prefix: str) -> Matrix:
-    if prefix in arrays:
-        return arrays[prefix]
+    """A block as stored: dense, or CSR arrays checked before scipy sees them (a bad ``indptr`` makes
+    scipy read outside its arrays)."""
     try:
+        if prefix in arrays:
+            X = arrays[prefix]
+            if X.ndim != 2 or X.dtype.kind not in "iuf":
+                raise DataValidationError(f"{path}: {prefix} is a {X.ndim}-d {X.dtype} array, not a matrix")
+            return X
         parts = (arrays[f"{prefix}_data"], arrays[f"{prefix}_indices"], arrays[f"{prefix}_indptr"])
-        return sp.csr_matrix(parts, shape=tuple(int(n) for n in arrays[f"{prefix}_shape"]))
+        shape = arrays[f"{prefix}_shape"]
     except KeyError as error:
         raise DataValidationError(f"{path}: missing array {error.args[0]!r} for {prefix}") from None
-    except ValueError as error:
-        raise DataValidationError(f"{path}: corrupted sparse matrix {prefix} ({error})") from None
+    except ValueError as error:  # an object array (allow_pickle=False) or a damaged member
+        raise DataValidationError(f"{path}: corrupted matrix {prefix} ({error})") from None
+    if shape.shape != (2,) or shape.dtype.kind not in "iu":
+        raise DataValidationError(f"{path}: {prefix}_shape is not two integers")
+    return checked_csr(f"{path} ({prefix})", *parts, (int(shape[0]), int(shape[1])), sort=True)
 
 
 def _load_npz(path: Path, task: str | None) -> PartyData:
@@ -297,6 +307,10 @@ def _load_npz(path: Path, task: str | None) -> PartyData:
                              int(arrays["n_features_total"]), names)
         except KeyError as error:
             raise DataValidationError(f"{path}: not a vfl party file (missing {error.args[0]!r})") from None
+        except DataValidationError:
+            raise
+        except (ValueError, TypeError) as error:  # a field of the wrong shape or kind
+            raise DataValidationError(f"{path}: not a valid vfl party file ({error})") from None
     if task is not None and task != stored_task:
         raise DataValidationError(f"{path}: the file is for a {stored_task} task, {task} was expected")
     return data
@@ -307,12 +321,7 @@ def _load_csv(path: Path, task: str | None) -> PartyData:
     id_column = table.column_index("id")
     special = {"id", "label", "split"}
     feature_columns = [j for j, name in enumerate(table.header) if name not in special]
-    ids_float = table.numeric([id_column])[:, 0]
-    bad = np.flatnonzero(ids_float != np.round(ids_float))
-    if bad.size:
-        raise DataValidationError(f"{path}, line {table.lines[bad[0]]}: id {ids_float[bad[0]].item()!r} "
-                                  f"is not an integer")
-    ids = ids_float.astype(np.int64)
+    ids = integer_ids(table.cells[:, id_column], table.locate())  # exactly: never through a float
     is_test = np.zeros(table.n_rows, dtype=bool)
     if "split" in table.header:
         split = table.cells[:, table.column_index("split")]

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
-from vertical.datasets.validation import DataValidationError
+from vertical.datasets.validation import DataValidationError, checked_csr
 
 FOLDER_FORMAT = "vfl-party-folder/1"
 META_NAME = "party.json"
@@ -116,19 +116,7 @@ def _csr(folder: Path, split: str, entry: dict, n_cols: int) -> sp.csr_matrix:
     data = _load(folder, f"{split}/data", (np.float64,))
     indices = _load(folder, f"{split}/indices", (np.int32, np.int64))
     indptr = _load(folder, f"{split}/indptr", (np.int64, np.int32))
-    rows = int(entry["rows"])
-    if indptr.size != rows + 1 or indptr[0] != 0 or indptr[-1] != data.size or indices.size != data.size:
-        raise DataValidationError(f"{where}: inconsistent CSR arrays ({rows} rows, indptr of "
-                                  f"{indptr.size}, {data.size} values, {indices.size} indices)")
-    steps = np.diff(indptr)
-    if rows and steps.min() < 0:
-        raise DataValidationError(f"{where}: row {int(np.argmax(steps < 0))} has a negative length")
-    if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= n_cols):
-        raise DataValidationError(f"{where}: a column index is outside 0..{n_cols - 1}")
-    X = sp.csr_matrix((data, indices, indptr), shape=(rows, n_cols), copy=False)
-    if not X.has_canonical_format:
-        raise DataValidationError(f"{where}: column indices are not sorted and unique within each row")
-    return X
+    return checked_csr(where, data, indices, indptr, (int(entry["rows"]), n_cols))
 
 
 def read_party_folder(folder: Path) -> dict:

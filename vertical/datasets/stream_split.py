@@ -32,6 +32,7 @@ import scipy.sparse as sp
 from sklearn.datasets import load_svmlight_file
 
 from vertical.datasets.base import seeded_split
+from vertical.datasets.libsvm import bad_libsvm_line
 from vertical.datasets.party_files import (
     MANIFEST_NAME,
     PartyManifest,
@@ -64,32 +65,9 @@ def _data_lines(text: bytes, first_line: int) -> np.ndarray:
 
 def _explain(path: Path, text: bytes, first_line: int, error: Exception) -> DataValidationError:
     """Find the line scikit-learn rejected, and say what is wrong with it."""
-    for offset, raw in enumerate(text.split(b"\n")):
-        fields = raw.split(b"#", 1)[0].split()
-        if not fields:
-            continue
-        where = f"{path}, line {first_line + offset}"
-        try:
-            float(fields[0])
-        except ValueError:
-            label = fields[0].decode(errors="replace")
-            return DataValidationError(f"{where}: label {label!r} is not a number")
-        previous = -1
-        for field in fields[1:]:
-            name, sep, value = field.partition(b":")
-            if name == b"qid":
-                continue
-            shown = field.decode(errors="replace")
-            if not sep or not name.isdigit():
-                return DataValidationError(f"{where}: {shown!r} is not index:value")
-            try:
-                float(value)
-            except ValueError:
-                return DataValidationError(f"{where}: {shown!r} has a value that is not a number")
-            if int(name) <= previous:
-                return DataValidationError(f"{where}: feature indices must be increasing ({shown!r} after "
-                                           f"index {previous})")
-            previous = int(name)
+    found = bad_libsvm_line(path, text, first_line)
+    if found is not None:
+        return found
     last = first_line + text.count(b"\n") - 1
     return DataValidationError(f"{path}, lines {first_line}..{last}: cannot parse ({error})")
 
@@ -109,7 +87,7 @@ def _chunks(path: Path, chunk_bytes: int) -> Iterator[_Chunk]:
                 try:
                     X, y = load_svmlight_file(io.BytesIO(text), dtype=np.float64, zero_based=True,
                                               query_id=False)
-                except ValueError as error:
+                except (ValueError, OverflowError) as error:  # an index past a C int overflows
                     raise _explain(path, text, line, error) from None
                 X = sp.csr_matrix(X)
                 if X.shape[0] != lines.size:

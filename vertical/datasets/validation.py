@@ -15,6 +15,7 @@ What counts as valid (decisions):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -112,3 +113,65 @@ def check_finite_features(X: np.ndarray | sp.csr_matrix, locate: Locate) -> None
         value = X[row, column]
     raise DataValidationError(f"{locate(row)}: feature column {column} is {value.item()!r} (features must be "
                               f"finite)")
+
+
+def checked_csr(where: str, data: np.ndarray, indices: np.ndarray, indptr: np.ndarray,
+                shape: tuple[int, int], *, sort: bool = False) -> sp.csr_matrix:
+    """A CSR matrix from arrays read back from a file, checked first: scipy trusts its arrays, and a
+    decreasing ``indptr`` or a column index past the width reads (and writes) outside them later.
+
+    Every array 1-d of its dtype (values real numbers, indices and pointers int32/int64), ``indptr`` of
+    ``rows + 1`` entries from 0 to ``data.size`` never decreasing, every index in ``0..cols-1``, sorted
+    and unique within its row (or, with ``sort``, put so: arrays in memory, not mapped); else one
+    :class:`DataValidationError` naming ``where``."""
+    rows, cols = shape
+    for name, array, kinds in (("data", data, "iuf"), ("indices", indices, "i"), ("indptr", indptr, "i")):
+        narrow = kinds == "i" and array.itemsize not in (4, 8)
+        if array.ndim != 1 or array.dtype.kind not in kinds or narrow:
+            raise DataValidationError(f"{where}: the CSR {name} array is {array.ndim}-d {array.dtype}")
+    if rows < 0 or cols < 0:
+        raise DataValidationError(f"{where}: the CSR shape {shape} is negative")
+    if indptr.size != rows + 1 or indptr[0] != 0 or indptr[-1] != data.size or indices.size != data.size:
+        raise DataValidationError(f"{where}: inconsistent CSR arrays ({rows} rows, indptr of "
+                                  f"{indptr.size}, {data.size} values, {indices.size} indices)")
+    steps = np.diff(indptr)
+    if rows and steps.min() < 0:
+        raise DataValidationError(f"{where}: row {int(np.argmax(steps < 0))} has a negative length")
+    if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= cols):
+        raise DataValidationError(f"{where}: a column index is outside 0..{cols - 1}")
+    if data.dtype != np.float64:
+        data = data.astype(np.float64)
+    X = sp.csr_matrix((data, indices, indptr), shape=(rows, cols), copy=False)
+    if sort:
+        X.sum_duplicates()
+    if not X.has_canonical_format:
+        raise DataValidationError(f"{where}: column indices are not sorted and unique within each row")
+    return X
+
+
+_INTEGER_ID = re.compile(r"[+-]?[0-9]+(?:\.0*)?")
+_INT64 = np.iinfo(np.int64)
+
+
+def integer_id(text: str) -> int | None:
+    """A sample id written as an integer (``42``, ``+42``, ``42.0``), parsed exactly: ``None`` when it is
+    not one. Never through a float: 2^53 and 2^53 + 1 are two ids, not one."""
+    text = text.strip()
+    if not _INTEGER_ID.fullmatch(text):
+        return None
+    return int(text.split(".", 1)[0])
+
+
+def integer_ids(cells: np.ndarray, locate: Locate) -> np.ndarray:
+    """A column of id cells as int64, each parsed exactly; an id that is no integer, or does not fit
+    in 64 bits, is an error at its first occurrence."""
+    ids = np.empty(len(cells), dtype=np.int64)
+    for row, cell in enumerate(cells):
+        value = integer_id(str(cell))
+        if value is None or not _INT64.min <= value <= _INT64.max:
+            text = str(cell).strip()
+            shown = "(empty)" if not text else text if len(text) <= 40 else text[:40] + "…"
+            what = "is not an integer" if value is None else "does not fit in 64 bits"
+            raise DataValidationError(f"{locate(row)}: id {shown} {what}")
+        ids[row] = value
+    return ids
