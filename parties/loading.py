@@ -48,7 +48,7 @@ def load_party(config: JobPlan, rank: int) -> PartyState:
         y=None if y_train is None else np.asarray(y_train, dtype=np.float64),
         test_block=Block.from_matrix(X_test) if has_test else None,
         y_test=None if y_test is None or not has_test else np.asarray(y_test, dtype=np.float64),
-        ids_digest=ids_digest(train_ids, test_ids))
+        ids_digest=ids_digest(train_ids, test_ids), train_ids=train_ids, test_ids=test_ids)
 
 
 def noisy_labels(config: JobPlan, rank: int, y: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -4,7 +4,9 @@ Nobody holds the whole model: party l keeps its block w_l in its own folder (``-
 default the run folder) and loads only that; the leader tells the others which epoch to use. Prediction
 is therefore the same Algorithm-1 aggregation as training, batched over the rows to score: every
 party contributes its masked w_l·x_i^(l) and only the leader (rank 0) learns z_i = w·x_i. The leader
-writes ``predictions-<split>.csv`` (row, score, and the predicted label for classification).
+writes ``predictions-<split>.csv``, one line per row keyed by the sample's id (the ids the party files
+carry, ``vfl align``'s or ``vfl split``'s), with the columns :data:`COLUMNS` names: the score w·x and,
+for a binary problem, the probability σ(w·x) of the positive class and the predicted label.
 
 The run's ``config.json`` says which data each party holds (a named dataset's split, or the per-party
 files of ``vfl split``), so predicting needs only the run folder.
@@ -21,6 +23,12 @@ from parties.checkpoint import checkpoint_path, complete_epochs, load_checkpoint
 from parties.plan import JobPlan
 
 LEADER = 0
+#: The columns of ``predictions-<split>.csv``: what each one is (the file's header names them).
+COLUMNS = {"id": "the sample's id, as in the party files",
+           "score": "w·x, the model's score (the prediction itself for regression)",
+           "probability": "binary problems: σ(w·x), the probability of the label +1",
+           "predicted_label": "binary problems: +1 where the score is >= 0, else -1 (the party files' "
+                              "encoding: a CSV file's label 1 is +1, its 0 is -1)"}
 
 
 def predict(run_dir: str | Path, *, split: str = "test", output: str | Path | None = None) -> int:
@@ -87,15 +95,30 @@ def run_predict(run: Path, split: str, output: Path) -> None:
     if rank != LEADER:
         return
     assert party.problem is not None and z is not None
+    write_predictions(output, party.train_ids if split == "train" else party.test_ids, z,
+                      binary=party.problem.task == "binary")
+    print(f"wrote {z.size} {split} predictions to {output} (columns: {', '.join(_columns(party))})",
+          flush=True)
+
+
+def _columns(party) -> list[str]:
+    return list(COLUMNS) if party.problem.task == "binary" else ["id", "score"]
+
+
+def write_predictions(output: Path, ids: np.ndarray, z: np.ndarray, *, binary: bool) -> None:
+    """``predictions-<split>.csv``: one line per row, keyed by its id (:data:`COLUMNS`)."""
+    from scipy.special import expit
+
     output.parent.mkdir(parents=True, exist_ok=True)
-    header = "row,score"
-    columns = [np.arange(z.size), z]
-    if party.problem.task == "binary":
-        header += ",label"
-        columns.append(np.where(z >= 0, 1, -1))
-    np.savetxt(output, np.column_stack(columns), delimiter=",", header=header, comments="",
-               fmt=["%d", "%.10g"] + (["%d"] if len(columns) == 3 else []))
-    print(f"wrote {z.size} {split} predictions to {output}", flush=True)
+    names = list(COLUMNS) if binary else ["id", "score"]
+    with open(output, "w") as fh:
+        fh.write(",".join(names) + "\n")
+        if binary:
+            for i, score, p in zip(ids.tolist(), z.tolist(), expit(z).tolist(), strict=True):
+                fh.write(f"{i},{score:.10g},{p:.10g},{1 if score >= 0 else -1}\n")
+        else:
+            for i, score in zip(ids.tolist(), z.tolist(), strict=True):
+                fh.write(f"{i},{score:.10g}\n")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -90,6 +90,9 @@ class PartyState:
     y_test: np.ndarray | None = None
     #: SHA-256 of the party's train and test sample ids, in order: equal at every party iff aligned.
     ids_digest: bytes = bytes(32)
+    #: the sample ids of its train and test rows, in row order (``vfl predict`` keys its output by them)
+    train_ids: np.ndarray | None = None
+    test_ids: np.ndarray | None = None
 
     @property
     def active(self) -> bool:

@@ -230,4 +230,4 @@ def test_predict_reads_the_run_as_it_is_and_draws_no_second_randomized_response(
     assert predict(run) == 0
     assert (run / "label-dp-0.npz").read_bytes() == drawn
     rows = np.loadtxt(run / "predictions-test.csv", delimiter=",", skiprows=1)
-    assert rows.shape == (load("breast-cancer", seed=0).n_test, 3)
+    assert rows.shape == (load("breast-cancer", seed=0).n_test, 4)

@@ -308,9 +308,13 @@ def test_predict_reproduces_the_trained_model_through_secure_aggregation(svrg_ru
     w = np.zeros(ds.n_features)
     for rank, cols in enumerate(random_blocks(ds.n_features, 3, seed=0)):
         w[cols] = np.load(svrg_run / f"party-{rank}.ckpt.npz")["w"]
-    table = np.loadtxt(svrg_run / "predictions-test.csv", delimiter=",", skiprows=1)
+    path = svrg_run / "predictions-test.csv"
+    assert path.read_text().splitlines()[0] == "id,score,probability,predicted_label"
+    table = np.loadtxt(path, delimiter=",", skiprows=1)
+    np.testing.assert_array_equal(table[:, 0], ds.test_ids)  # keyed by the samples' ids, not row numbers
     np.testing.assert_allclose(table[:, 1], ds.X_test @ w, atol=1e-6)
-    assert np.mean(table[:, 2] == ds.y_test) == pytest.approx(metrics(svrg_run)[-1]["test_accuracy"])
+    np.testing.assert_allclose(table[:, 2], 1 / (1 + np.exp(-table[:, 1])), rtol=1e-8)
+    assert np.mean(table[:, 3] == ds.y_test) == pytest.approx(metrics(svrg_run)[-1]["test_accuracy"])
 
 
 def test_each_party_keeps_its_block_in_its_own_folder_and_predicts_from_it(tmp_path):
