@@ -180,9 +180,12 @@ class _Trainer:
         return word
 
     def _open_outputs(self) -> None:
-        """The leader's metrics log and progress bar."""
+        """The leader's metrics log and progress bar (and a word when there is nothing to test on)."""
         config = self.config
         self.out.mkdir(parents=True, exist_ok=True)
+        if self.party.test_block is None:  # said once, up front: a missing metric is not an oversight
+            print("note: the data hold no test rows (no row is marked `test` in a `split` column), so "
+                  "this run reports no test metric", flush=True)
         if config.resume:  # the resumed epoch is evaluated (and logged) again next
             metrics_before(self.out / "metrics.jsonl", self.epochs)
         self.log = open(self.out / "metrics.jsonl", "a" if config.resume else "w")  # noqa: SIM115

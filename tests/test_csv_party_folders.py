@@ -90,6 +90,17 @@ def test_bad_csv_folders_are_one_line_errors_before_mpiexec(tmp_path, capsys, te
 
 
 @pytest.mark.mpi
+def test_a_csv_folder_without_test_rows_trains_and_says_it_has_no_test_metric(tmp_path, capfd):
+    drop_split = {",split": "", ",train": "", ",test": ""}
+    texts = [ACTIVE, PASSIVE]
+    for old, new in drop_split.items():
+        texts = [t.replace(old, new) for t in texts]
+    folder = write_folder(tmp_path / "csv", *texts)
+    assert main(["train", "--party-files", str(folder), *TRAIN, "--out", str(tmp_path / "run")]) == 0
+    assert "the data hold no test rows" in capfd.readouterr().out
+
+
+@pytest.mark.mpi
 def test_the_estimator_trains_on_a_csv_folder_and_leaves_no_temporary_folder(tmp_path, monkeypatch):
     """Any shape: three parties of 7, 11 and 12 columns of breast-cancer, rows in file order."""
     X, y = load_breast_cancer(return_X_y=True)
