@@ -53,6 +53,10 @@ class PartyTable:
     ids: list[str]
 
 
+#: The id column's name in the aligned files: the party-file format's (vertical/datasets/party_files.py)
+PARTY_FILE_ID = "id"
+
+
 def read_header(path: Path, id_column: str) -> list[str]:
     """The header of ``path``, checked for ``id_column`` (the launcher's cheap check)."""
     if not path.is_file():
@@ -66,6 +70,9 @@ def read_header(path: Path, id_column: str) -> list[str]:
         raise AlignInputError(f"{path}: empty file (a header line with a {id_column!r} column is expected)")
     if id_column not in header:
         raise AlignInputError(f"{path}: no column {id_column!r} (columns: {', '.join(header)})")
+    if id_column != PARTY_FILE_ID and PARTY_FILE_ID in header:
+        raise AlignInputError(f"{path}: a column {PARTY_FILE_ID!r} beside --id-column {id_column!r}: the "
+                              f"aligned file names its id column {PARTY_FILE_ID!r}, so rename the other")
     return header
 
 
@@ -120,13 +127,15 @@ def _read_rows(path: Path, reader, header: list[str], col: int, rows: list[list[
         ids.append(ident)
 
 
-def write_aligned(table: PartyTable, rows: np.ndarray, out: Path) -> None:
-    """The common rows of ``table``, in the common order, atomically (a partial file never shows)."""
+def write_aligned(table: PartyTable, rows: np.ndarray, out: Path, id_column: str = PARTY_FILE_ID) -> None:
+    """The common rows of ``table``, in the common order, atomically (a partial file never shows). The
+    id column is named ``id`` there, whatever ``--id-column`` was: the aligned files are party files,
+    which ``vfl train --party-files`` reads (and ``vfl predict`` keys its output by) under that name."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     with tmp.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(table.header)
+        writer.writerow([PARTY_FILE_ID if name == id_column else name for name in table.header])
         writer.writerows(table.rows[i] for i in rows.tolist())
     os.replace(tmp, out)
 
@@ -319,7 +328,7 @@ def run_rank(argv: list[str] | None = None) -> None:
         _stop(comm, rank, f"[party {rank}] error: {err}", EXIT_FAILED)
         return
     if table is not None:
-        write_aligned(table, result.rows, Path(args.out) / f"party-{rank}.csv")
+        write_aligned(table, result.rows, Path(args.out) / f"party-{rank}.csv", args.id_column)
     report = np.zeros((q, 3), dtype=np.float64) if rank == 0 else None
     comm.Gather(np.array([result.seconds, result.bytes_sent, len(result.rows)], dtype=np.float64),
                 report, root=0)

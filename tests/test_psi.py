@@ -158,6 +158,30 @@ def test_vfl_align_writes_the_intersection_in_one_order_at_every_party(tmp_path:
 
 
 @pytest.mark.mpi
+def test_the_id_column_named_at_align_is_the_one_training_reads(tmp_path: Path) -> None:
+    """``--id-column customer_id`` once: the aligned files call it ``id``, the party files' name, so
+    ``vfl train --party-files`` takes them as they are (it used to refuse them until renamed)."""
+    rng = np.random.default_rng(4)
+    rows0 = [[str(100 + i), str(i % 2), f"{rng.normal():.3f}"] for i in range(40)]
+    rows1 = [[f"{rng.normal():.3f}", str(100 + i)] for i in range(5, 45)]
+    files = [_write(tmp_path / "a.csv", ["customer_id", "label", "x"], rows0),
+             _write(tmp_path / "b.csv", ["y", "customer_id"], rows1),
+             _write(tmp_path / "c.csv", ["customer_id", "z"], [[str(100 + i), str(i)] for i in range(45)])]
+    proc = _vfl("align", "-n", "3", "--ids", *map(str, files), "--id-column", "customer_id",
+                "--out", str(tmp_path / "aligned"))
+    assert proc.returncode == 0, proc.stderr
+    headers = [(tmp_path / "aligned" / f"party-{p}.csv").read_text().splitlines()[0] for p in range(3)]
+    assert headers == ["id,label,x", "y,id", "id,z"]
+    proc = _vfl("train", "--party-files", str(tmp_path / "aligned"), "-n", "3", "-m", "1", "--epochs", "1",
+                "--out", str(tmp_path / "run"), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    clash = _write(tmp_path / "d.csv", ["customer_id", "id"], [["1", "2"]])
+    proc = _vfl("align", "-n", "2", "--ids", str(files[0]), str(clash), "--id-column", "customer_id",
+                "--out", str(tmp_path / "clash"))
+    assert proc.returncode == 2 and "a column 'id' beside --id-column 'customer_id'" in proc.stderr
+
+
+@pytest.mark.mpi
 def test_vfl_align_takes_a_folder(tmp_path: Path) -> None:
     (tmp_path / "in").mkdir()
     _write(tmp_path / "in" / "party-0.csv", ["id"], [["1"], ["2"], ["3"]])
