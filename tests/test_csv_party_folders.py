@@ -125,3 +125,19 @@ def test_the_estimator_trains_on_a_csv_folder_and_leaves_no_temporary_folder(tmp
     assert model.score(X[test], np.where(y[test] == 1, 1.0, -1.0)) > 0.9
     assert model.history_[-1]["test_accuracy"] > 0.9
     assert model.run_dir_ is None and list(scratch.iterdir()) == []   # nobody asked to keep the run
+
+
+def test_vfl_reference_pools_party_files_held_on_one_machine(tmp_path, capsys):
+    """The NonF reference of a folder of party files equals the registered dataset's (a split), and a
+    CSV folder (with -n, -m) gets one too: `vfl reference` used to know only dataset names."""
+    def f_star(argv: list[str]) -> str:
+        assert main(["reference", "--lam", "1e-2", *argv]) == 0
+        return next(line.split()[2] for line in capsys.readouterr().out.splitlines() if "f* =" in line)
+
+    assert main(["split", "breast-cancer", "-n", "3", "-m", "1", "--out", str(tmp_path / "split")]) == 0
+    capsys.readouterr()
+    assert f_star(["--party-files", str(tmp_path / "split")]) == f_star(["--dataset", "breast-cancer"])
+    folder = write_folder(tmp_path / "csv", ACTIVE, PASSIVE)
+    assert float(f_star(["--party-files", str(folder), "-n", "2", "-m", "1"])) > 0
+    assert main(["reference", "--party-files", str(folder)]) == 2
+    assert "needs -n" in capsys.readouterr().err

@@ -119,18 +119,49 @@ def _cmd_reference(args: argparse.Namespace) -> int:
     from vertical.problems import get_problem
     from vertical.reference import evaluate, solve_reference
 
-    ds = load(args.dataset, seed=args.seed, data_dir=args.data_dir)
     problem = get_problem(args.problem, lam=args.lam)
-    sol = solve_reference(problem, ds.X_train, ds.y_train)
-    scores = evaluate(problem, sol.w, ds.X_test, ds.y_test)
-    print(f"NonF {problem.name} on {ds.name} (λ={args.lam:g}, {ds.n_train:,} train / {ds.n_test:,} test, "
-          f"{ds.n_features} features)")
+    if args.party_files is None:
+        ds = load(args.dataset, seed=args.seed, data_dir=args.data_dir)
+        name, X_train, y_train, X_test, y_test = ds.name, ds.X_train, ds.y_train, ds.X_test, ds.y_test
+    else:
+        name, X_train, y_train, X_test, y_test = _pooled_party_files(args, problem.task)
+    sol = solve_reference(problem, X_train, y_train)
+    scores = evaluate(problem, sol.w, X_test, y_test) if X_test.shape[0] else {}
+    print(f"NonF {problem.name} on {name} (λ={args.lam:g}, {X_train.shape[0]:,} train / {X_test.shape[0]:,} "
+          f"test, {X_train.shape[1]} features)")
     print(f"  f* = {sol.f_star:.12g}   ‖∇f‖ = {sol.grad_norm:.2e}   {sol.n_iter} iterations, "
           f"{sol.seconds:.2f} s")
     for key, value in scores.items():
         shown = f"{100 * value:.2f} %" if key == "accuracy" else f"{value:.4f}"
         print(f"  test {key}: {shown}")
     return 0
+
+
+def _pooled_party_files(args: argparse.Namespace, task: str):
+    """Every party's file of one folder pooled into one table (a reference needs all the columns in one
+    place: this is for party files that sit on one machine, a simulation or a test of a deployment)."""
+    import numpy as np
+
+    from vertical.datasets.csv_parties import is_csv_folder, load_csv_parties
+    from vertical.datasets.party_files import (
+        assemble_features,
+        find_party_file,
+        load_party_file,
+        read_manifest,
+    )
+
+    folder = args.party_files
+    if is_csv_folder(folder):
+        if args.parties is None:
+            raise ValueError(f"--party-files {folder}: a folder of party-<p>.csv files needs -n (and -m)")
+        parties = load_csv_parties(folder, args.parties, args.active, task)
+        X_train, X_test = (np.hstack([getattr(p, f"X_{s}") for p in parties]) for s in ("train", "test"))
+    else:
+        manifest = read_manifest(folder)
+        parties = [load_party_file(find_party_file(folder, p)) for p in range(manifest.q)]
+        X_train, X_test = assemble_features(parties)
+    labelled = next(p for p in parties if p.has_labels)
+    return str(folder), X_train, labelled.y_train, X_test, labelled.y_test
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -238,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reference", help="train the non-federated (NonF) reference on pooled data")
     p.add_argument("--dataset", default="breast-cancer")
+    p.add_argument("--party-files", default=None, metavar="FOLDER",
+                   help="pool the party files of one folder instead (from `vfl split`, or party-<p>.csv "
+                        "files with -n and -m): for data held on one machine")
+    p.add_argument("-n", "--parties", type=int, default=None, help="with a CSV --party-files folder")
+    p.add_argument("-m", "--active", type=int, default=1, help="with a CSV --party-files folder")
     p.add_argument("--problem", default="logistic")
     p.add_argument("--lam", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
