@@ -108,6 +108,16 @@ def _check_conventions(figures: list) -> None:
             assert ax.get_xlabel() and ax.get_ylabel(), f"unlabelled axis on {ax.get_title()!r}"
 
 
+@pytest.fixture(autouse=True)
+def _no_figure_left_open():
+    """Figures a test draws (or keeps open to inspect) are closed after it: pyplot would keep them for
+    the rest of the session, and warn in whichever later test opens the 21st."""
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
 @pytest.fixture
 def saved_figures(monkeypatch):
     """Every Figure an experiment saves, kept open for inspection (the PNG is not written)."""
