@@ -125,14 +125,16 @@ def write_outputs(out: Path, meta: dict, runs: list[dict]) -> None:
     (out / "table.md").write_text("\n".join(rows) + "\n")
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), layout="constrained")
-    for ax, key, label in zip(axes, ("ms_per_update", "seconds_per_round"),
-                              ("ms per dominated update (a9a, q = 4, m = 4, B = 1)",
-                               "s per HFL round (FedAvg, N = 200, S = 20)"), strict=True):
+    panels = (("ms_per_update", "ms per dominated update", "a9a, q = 4, m = 4, B = 1, SGD"),
+              ("seconds_per_round", "s per HFL round", "FedAvg, N = 200, S = 20, K = 10"))
+    for ax, (key, label, title) in zip(axes, panels, strict=True):
         for tree, values in per_tree.items():
             ax.plot(range(1, len(values[key]) + 1), values[key], "o-", color=COLOURS[tree],
                     label=f"{tree} ({meta['commits'][tree]})")
         ax.set_xlabel("repetition (trees alternating)")
         ax.set_ylabel(label)
+        ax.set_title(title, fontsize=9)
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_ylim(bottom=0)
     from experiments._plotting import figure_legend
 
