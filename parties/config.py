@@ -144,7 +144,11 @@ class RunConfig:
         False, "--piggyback",
         help="send each step's (ϑ, i) inside the next step's aggregation request: 3(q − 1) messages per "
              "update instead of 4(q − 1); the broadcast waits for the next request (async mode)")
-    gamma: float = option(0.05, "--gamma", help="learning rate γ", check=positive())
+    gamma: float | None = option(
+        None, "--gamma", check=positive(),
+        help="learning rate γ (default: from the data, 1/(L(B) + λ) with L(B) the expected smoothness of "
+             "B-row batches, Gower et al. 2019, bounded from each party's largest and mean squared row "
+             "norm; the run prints the γ it chose)")
     gamma_decay: float = option(0.0, "--gamma-decay",
                                 help="step size γ/(1 + decay·e) in epoch e = 0, 1, ... "
                                      "(0: constant, the paper's)",
@@ -236,12 +240,16 @@ class RunConfig:
                          help="each party records every message it receives to <out>/audit-<rank>.npz",
                          budget=True)
 
-    def gamma_at(self, epochs: float) -> float:
+    def gamma_at(self, epochs: float, gamma: float | None = None) -> float:
         """The step size in the epoch that ``epochs`` falls in: γ/(1 + decay·e), e = ⌊epochs⌋ (constant γ,
         the paper's, when ``gamma_decay`` is 0). A decaying step lets constant-step SGD's noise floor
         shrink (the label-DP noise of ``--label-privacy he --epsilon`` included: steps are
-        post-processing, so the privacy accounting is unchanged)."""
-        return self.gamma / (1.0 + self.gamma_decay * math.floor(epochs + EPOCH_SLACK))
+        post-processing, so the privacy accounting is unchanged). ``gamma``: the base step when
+        ``--gamma`` was not given (derived from the data at start, ``parties.step``)."""
+        base = self.gamma if gamma is None else gamma
+        if base is None:
+            raise ValueError("no --gamma: the base step is derived from the data (parties.step.choose_gamma)")
+        return base / (1.0 + self.gamma_decay * math.floor(epochs + EPOCH_SLACK))
 
     def lazy_updates(self, block_columns: int) -> bool:
         """Whether a party with this many columns uses the lazy O(nnz) kernels (``--updates``)."""

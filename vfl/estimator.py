@@ -33,7 +33,7 @@ class _VerticalEstimator(BaseEstimator):
     _task: str
 
     def __init__(self, *, parties: int = 3, active: int = 1, algorithm: str = "svrg", lam: float = 1e-4,
-                 gamma: float = 0.05, epochs: float = 10.0, threads: int | None = None,
+                 gamma: float | None = None, epochs: float = 10.0, threads: int | None = None,
                  eval_every: float = 1.0, seed: int = 0, out: str | None = None,
                  verbose: bool = False) -> None:
         self.parties = parties

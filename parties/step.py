@@ -1,0 +1,30 @@
+"""The step size a job trains with: ``--gamma`` when given, else derived from the data at start.
+
+Every rank calls :func:`choose_gamma` before the first step (collective when ``--gamma`` is not
+given): each party shares its block's largest and mean squared row norm (one buffer allgather on the
+control plane, :meth:`~parties.control_plane.ControlPlane.gather_row_norms`), and every party computes
+the same γ from the same q pairs (:func:`vertical.step_size.default_gamma`). A resumed run reads the
+same blocks, so it derives the same γ; ``--gamma-decay`` decays from it.
+"""
+
+from __future__ import annotations
+
+from parties.plan import JobPlan
+from parties.runtime import PartyRuntime
+from vertical.problems import PROBLEMS
+from vertical.step_size import block_row_norms, default_gamma
+
+
+def choose_gamma(runtime: PartyRuntime, config: JobPlan) -> float:
+    """The run's base step γ, set on this party's rule (collective unless ``--gamma`` is given)."""
+    if config.gamma is not None:
+        gamma = config.gamma
+    else:
+        block = runtime.party.block
+        every = runtime.gather_row_norms(*block_row_norms(block))
+        # passive parties hold no Problem: the curvature is the named problem's loss's
+        curvature = PROBLEMS[config.problem].loss.curvature
+        gamma = default_gamma(float(every[:, 0].sum()), float(every[:, 1].sum()), block.n_rows,
+                              config.batch_size, curvature, config.lam)
+    runtime.party.rule.set_gamma(config.gamma_at(0.0, gamma))
+    return gamma
