@@ -45,7 +45,7 @@ def find_stop(output: str) -> tuple[str, str] | None:
 def divergence_advice(gamma: float | None) -> str:
     """One line for a run that diverged; ``gamma``: the step it tried (None: derived, not known here)."""
     if gamma is None:
-        return "try a smaller --gamma than the one derived from the data (result.json's gamma)"
+        return "try a smaller --gamma than the one derived from the data (the run's first line says it)"
     return f"try a smaller --gamma (tried {gamma:g})"
 
 

@@ -26,5 +26,8 @@ def choose_gamma(runtime: PartyRuntime, config: JobPlan) -> float:
         curvature = PROBLEMS[config.problem].loss.curvature
         gamma = default_gamma(float(every[:, 0].sum()), float(every[:, 1].sum()), block.n_rows,
                               config.batch_size, curvature, config.lam)
+        if runtime.rank == 0:  # before any step: a job that aborts later still said which γ it used
+            print(f"step size γ = {gamma:.4g}, derived from the data (B = {config.batch_size}; "
+                  "--gamma sets it)", flush=True)
     runtime.party.rule.set_gamma(config.gamma_at(0.0, gamma))
     return gamma
