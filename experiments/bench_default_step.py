@@ -162,7 +162,8 @@ def _figure(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     keys = sorted({(r["batch_size"], r["gamma_given"] is None) for r in rows}, key=lambda k: (not k[1], k[0]))
-    label = {k: f"B = {k[0]}, " + ("derived γ" if k[1] else "constant γ") for k in keys}
+    constant = next((r["gamma_given"] for r in rows if r["gamma_given"] is not None), None)
+    label = {k: f"B = {k[0]}, " + ("derived γ" if k[1] else f"γ = {constant:g}") for k in keys}
     colour = colours(label[k] for k in keys)
     fig, (acc, loss, step) = plt.subplots(1, 3, figsize=(14, 4), layout="constrained")
     width = 0.8 / max(len(keys), 1)
