@@ -1,6 +1,6 @@
-"""The default step size (issue 25): test accuracy without ``--gamma`` against NonF, per dataset and B.
+"""The step size from the data (``--gamma auto``, issue 25): test accuracy against NonF, per dataset and B.
 
-Without ``--gamma`` every run derives its step from the data (``vertical/step_size.py``): 1/(L(B) + λ)
+With ``--gamma auto`` a run derives its step from the data (``vertical/step_size.py``): 1/(L(B) + λ)
 from the expected smoothness of B-row batches. This runs real ``vfl train`` jobs on breast-cancer,
 a9a, w8a, credit-card (D1) and a generated 5,000 × 300 file of unscaled features (``_unscaled.py``:
 scales 1..100, where the old constant γ = 0.05 diverges), at B = 1 and B = 64, and compares the final
@@ -151,7 +151,7 @@ def _table(rows: list[dict], meta: dict) -> str:
              f"{r['epochs']:g}" + ("" if r["full_epochs"] else " (reduced)"), r["outcome"],
              f"{r['loss']:.4g}", f"{100 * r['test_accuracy']:.2f} %", f"{100 * r['nonf_accuracy']:.2f} %",
              f"{r['delta_points']:+.2f}"] for r in rows]
-    return (f"# Default step size: test accuracy without --gamma against NonF\n\n"
+    return (f"# --gamma auto: test accuracy against NonF\n\n"
             f"`{meta['command']}`; q = 4, m = 2, SVRG, λ = 1e-4; CPU {meta['cpu']}, load average "
             f"{meta['load_before'][0]:.2f} before, {meta['load_after'][0]:.2f} after (shared machine: "
             "accuracy does not depend on load). Epochs: the README's (a9a, w8a 3; else 10) unless marked "

@@ -84,15 +84,22 @@ def one_of(choices: tuple) -> Check:
     return Check(lambda v: v in choices, "unknown {flag} {value!r}; choose one of " + ", ".join(choices))
 
 
+def _step_or_auto(text: str) -> float | None:
+    """``--gamma``: a number, or ``auto`` (None: derived from the data at start, ``parties.step``)."""
+    return None if text.strip().lower() == "auto" else float(text)
+
+
 def option(default: Any, *flags: str, help: str | None = None, check: Check | None = None,
+           parse: Callable[[str], Any] | None = None,
            choices: tuple | None = None, metavar: str | None = None, budget: bool = False) -> Any:
     """One row of the table: the field's default plus how the command line spells and checks it.
     ``choices`` restrict the parser; validation checks them too unless ``check`` says otherwise.
     ``budget``: the option may change when a run is resumed (how long it trains, what it shows, where
-    it is); every other option defines the model, and ``--resume`` keeps the run's (parties.resume)."""
+    it is); every other option defines the model, and ``--resume`` keeps the run's (parties.resume).
+    ``parse``: how the command line's text becomes the value (default: the field's type)."""
     if choices is not None and check is None:
         check = one_of(choices)
-    return field(default=default, metadata={"flags": flags, "help": help, "check": check,
+    return field(default=default, metadata={"flags": flags, "help": help, "check": check, "parse": parse,
                                             "choices": choices, "metavar": metavar, "budget": budget})
 
 
@@ -145,10 +152,10 @@ class RunConfig:
         help="send each step's (ϑ, i) inside the next step's aggregation request: 3(q − 1) messages per "
              "update instead of 4(q − 1); the broadcast waits for the next request (async mode)")
     gamma: float | None = option(
-        None, "--gamma", check=positive(),
-        help="learning rate γ (default: from the data, 1/(L(B) + λ) with L(B) the expected smoothness of "
-             "B-row batches, Gower et al. 2019, bounded from each party's largest and mean squared row "
-             "norm; the run prints the γ it chose)")
+        0.05, "--gamma", check=positive(), parse=_step_or_auto, metavar="GAMMA|auto",
+        help="learning rate γ (0.05: the paper's grid, for scaled features); auto: from the data, "
+             "1/(L(B) + λ) with L(B) the expected smoothness of B-row batches (Gower et al. 2019), bounded "
+             "from each party's largest and mean squared row norm; the run prints the γ it chose")
     gamma_decay: float = option(0.0, "--gamma-decay",
                                 help="step size γ/(1 + decay·e) in epoch e = 0, 1, ... "
                                      "(0: constant, the paper's)",
@@ -245,7 +252,7 @@ class RunConfig:
         the paper's, when ``gamma_decay`` is 0). A decaying step lets constant-step SGD's noise floor
         shrink (the label-DP noise of ``--label-privacy he --epsilon`` included: steps are
         post-processing, so the privacy accounting is unchanged). ``gamma``: the base step when
-        ``--gamma`` was not given (derived from the data at start, ``parties.step``)."""
+        ``--gamma auto`` (derived from the data at start, ``parties.step``)."""
         base = self.gamma if gamma is None else gamma
         if base is None:
             raise ValueError("no --gamma: the base step is derived from the data (parties.step.choose_gamma)")
@@ -434,7 +441,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None, *, defaults: boo
         if kind is bool:  # a switch: its flag turns the default over
             extra["action"] = "store_false" if f.default else "store_true"
         else:
-            if kind is not str:
+            if meta["parse"] is not None:
+                extra["type"] = meta["parse"]
+            elif kind is not str:
                 extra["type"] = kind
             if meta["choices"] is not None:
                 extra["choices"] = list(meta["choices"])

@@ -41,7 +41,7 @@ def load_party(config: JobPlan, rank: int) -> PartyState:
                "writers": config.worker_threads + 1}  # slot 0: the dominator; 1..k: the workers
     if rule_cls is SAGARule:
         options["table_budget_bytes"] = int(config.saga_table_budget * 2**30)
-    # without --gamma the step is derived from every party's block at start (parties.step.choose_gamma,
+    # under --gamma auto the step is derived from every party's block at start (parties.step.choose_gamma,
     # before the first step): NaN until then, so that no step can be taken with a made-up one
     gamma = config.gamma if config.gamma is not None else math.nan
     rule = rule_cls(block, problem.regularizer, problem.lam, gamma, **options)

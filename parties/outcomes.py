@@ -46,7 +46,7 @@ def divergence_advice(gamma: float | None) -> str:
     """One line for a run that diverged; ``gamma``: the step it tried (None: derived, not known here)."""
     if gamma is None:
         return "try a smaller --gamma than the one derived from the data (the run's first line says it)"
-    return f"try a smaller --gamma (tried {gamma:g})"
+    return f"try a smaller --gamma (tried {gamma:g}), or --gamma auto (a step derived from the data)"
 
 
 def worse_than_start_warning(final: float, start: float, gamma: float) -> str:

@@ -124,7 +124,7 @@ class _Trainer:
 
     def run(self) -> TrainResult:
         config, party = self.config, self.party
-        self.gamma = choose_gamma(self.rt, config)  # before any step (collective without --gamma)
+        self.gamma = choose_gamma(self.rt, config)  # before any step (collective under --gamma auto)
         if config.resume:
             self._resume()
         if self.rank == LEADER:

@@ -10,8 +10,8 @@ is the whole weight vector. Assembling it is possible only because this simulati
 in one process: in a deployment each party keeps its own block and ``vfl predict`` scores rows through
 secure aggregation. ``predict``/``decision_function`` here compute ``X @ coef_`` locally.
 
-``gamma=None`` (the default) derives the step from the data as ``vfl train`` without ``--gamma`` does
-(``docs/usage.md``); ``gamma_`` is the step the fit used. A fit that ends above the loss of w = 0
+``gamma=None`` derives the step from the data as ``vfl train --gamma auto`` does (``docs/usage.md``);
+the default is the paper's 0.05; ``gamma_`` is the step the fit used. A fit that ends above the loss of w = 0
 warns (scikit-learn's ``ConvergenceWarning``).
 
 The MPI layer is imported only inside ``fit``: importing the estimators starts no MPI.
@@ -38,7 +38,7 @@ class _VerticalEstimator(BaseEstimator):
     _task: str
 
     def __init__(self, *, parties: int = 3, active: int = 1, algorithm: str = "svrg", lam: float = 1e-4,
-                 gamma: float | None = None, epochs: float = 10.0, threads: int | None = None,
+                 gamma: float | None = 0.05, epochs: float = 10.0, threads: int | None = None,
                  eval_every: float = 1.0, seed: int = 0, out: str | None = None,
                  verbose: bool = False) -> None:
         self.parties = parties
