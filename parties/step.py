@@ -1,10 +1,11 @@
 """The step size a job trains with: ``--gamma`` (0.05 by default), or derived from the data at start
 under ``--gamma auto``.
 
-Every rank calls :func:`choose_gamma` before the first step (collective under ``--gamma auto``): each party shares its block's largest and mean squared row norm (one buffer allgather on the
-control plane, :meth:`~parties.control_plane.ControlPlane.gather_row_norms`), and every party computes
-the same γ from the same q pairs (:func:`vertical.step_size.default_gamma`). A resumed run reads the
-same blocks, so it derives the same γ; ``--gamma-decay`` decays from it.
+Every rank calls :func:`choose_gamma` before the first step (collective under ``--gamma auto``): each
+party shares its block's largest and mean squared row norm (one buffer allgather on the control plane,
+:meth:`~parties.control_plane.ControlPlane.gather_row_norms`), and every party computes the same γ from
+the same q pairs (:func:`vertical.step_size.default_gamma`). A resumed run reads the same blocks, so it
+derives the same γ; ``--gamma-decay`` decays from it.
 """
 
 from __future__ import annotations
