@@ -54,6 +54,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                  "--label-privacy he: cost of one encrypted batch, and the HE libraries compared"),
     "label_attacks": ("experiments.label_attacks",
                       "label inference by a curious passive party from its own transcript, per mode"),
+    "default_step": ("experiments.bench_default_step",
+                     "test accuracy without --gamma (the step derived from the data) vs NonF, B = 1 and 64"),
     "feddro_toy": ("experiments.feddro_toy", "FedDRO vs FedAvg-CO on closed-form problems (Thm 4.1, Fig. 6)"),
 }
 

@@ -84,15 +84,22 @@ def one_of(choices: tuple) -> Check:
     return Check(lambda v: v in choices, "unknown {flag} {value!r}; choose one of " + ", ".join(choices))
 
 
+def _step_or_auto(text: str) -> float | None:
+    """``--gamma``: a number, or ``auto`` (None: derived from the data at start, ``parties.step``)."""
+    return None if text.strip().lower() == "auto" else float(text)
+
+
 def option(default: Any, *flags: str, help: str | None = None, check: Check | None = None,
+           parse: Callable[[str], Any] | None = None,
            choices: tuple | None = None, metavar: str | None = None, budget: bool = False) -> Any:
     """One row of the table: the field's default plus how the command line spells and checks it.
     ``choices`` restrict the parser; validation checks them too unless ``check`` says otherwise.
     ``budget``: the option may change when a run is resumed (how long it trains, what it shows, where
-    it is); every other option defines the model, and ``--resume`` keeps the run's (parties.resume)."""
+    it is); every other option defines the model, and ``--resume`` keeps the run's (parties.resume).
+    ``parse``: how the command line's text becomes the value (default: the field's type)."""
     if choices is not None and check is None:
         check = one_of(choices)
-    return field(default=default, metadata={"flags": flags, "help": help, "check": check,
+    return field(default=default, metadata={"flags": flags, "help": help, "check": check, "parse": parse,
                                             "choices": choices, "metavar": metavar, "budget": budget})
 
 
@@ -144,7 +151,11 @@ class RunConfig:
         False, "--piggyback",
         help="send each step's (ϑ, i) inside the next step's aggregation request: 3(q − 1) messages per "
              "update instead of 4(q − 1); the broadcast waits for the next request (async mode)")
-    gamma: float = option(0.05, "--gamma", help="learning rate γ", check=positive())
+    gamma: float | None = option(
+        0.05, "--gamma", check=positive(), parse=_step_or_auto, metavar="GAMMA|auto",
+        help="learning rate γ (0.05: the paper's grid, for scaled features); auto: from the data, "
+             "1/(L(B) + λ) with L(B) the expected smoothness of B-row batches (Gower et al. 2019), bounded "
+             "from each party's largest and mean squared row norm; the run prints the γ it chose")
     gamma_decay: float = option(0.0, "--gamma-decay",
                                 help="step size γ/(1 + decay·e) in epoch e = 0, 1, ... "
                                      "(0: constant, the paper's)",
@@ -236,12 +247,16 @@ class RunConfig:
                          help="each party records every message it receives to <out>/audit-<rank>.npz",
                          budget=True)
 
-    def gamma_at(self, epochs: float) -> float:
+    def gamma_at(self, epochs: float, gamma: float | None = None) -> float:
         """The step size in the epoch that ``epochs`` falls in: γ/(1 + decay·e), e = ⌊epochs⌋ (constant γ,
         the paper's, when ``gamma_decay`` is 0). A decaying step lets constant-step SGD's noise floor
         shrink (the label-DP noise of ``--label-privacy he --epsilon`` included: steps are
-        post-processing, so the privacy accounting is unchanged)."""
-        return self.gamma / (1.0 + self.gamma_decay * math.floor(epochs + EPOCH_SLACK))
+        post-processing, so the privacy accounting is unchanged). ``gamma``: the base step when
+        ``--gamma auto`` (derived from the data at start, ``parties.step``)."""
+        base = self.gamma if gamma is None else gamma
+        if base is None:
+            raise ValueError("no --gamma: the base step is derived from the data (parties.step.choose_gamma)")
+        return base / (1.0 + self.gamma_decay * math.floor(epochs + EPOCH_SLACK))
 
     def lazy_updates(self, block_columns: int) -> bool:
         """Whether a party with this many columns uses the lazy O(nnz) kernels (``--updates``)."""
@@ -426,7 +441,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None, *, defaults: boo
         if kind is bool:  # a switch: its flag turns the default over
             extra["action"] = "store_false" if f.default else "store_true"
         else:
-            if kind is not str:
+            if meta["parse"] is not None:
+                extra["type"] = meta["parse"]
+            elif kind is not str:
                 extra["type"] = kind
             if meta["choices"] is not None:
                 extra["choices"] = list(meta["choices"])

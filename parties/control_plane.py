@@ -116,6 +116,19 @@ class ControlPlane:
         self.comm.Allgather(np.array([feature_bits, squared_bound], dtype=np.float64), every)
         return every
 
+    def gather_row_norms(self, max_squared: float, mean_squared: float) -> np.ndarray:
+        """Every party's ``(max_i ‖x_il‖², mean_i ‖x_il‖²)``, ``[q, 2]`` float64: the two numbers the
+        default step is derived from (``vertical.step_size``). A pair that is not finite and ≥ 0 would
+        make every party's step wrong, so it ends the job naming its sender."""
+        every = np.empty((self.size, 2), dtype=np.float64)
+        self.comm.Allgather(np.array([max_squared, mean_squared], dtype=np.float64), every)
+        for sender, (largest, mean) in enumerate(every):
+            if not (np.isfinite(largest) and np.isfinite(mean) and 0 <= mean <= largest):
+                raise ProtocolViolation(sender, CONTROL_KINDS["gather_row_norms"],
+                                        f"largest {largest!r} and mean {mean!r} squared row norms: "
+                                        "expected finite numbers with 0 <= mean <= largest")
+        return every
+
     # ------------------------------------------------------------------------------ the full ϑ
 
     def share_theta(self, theta: np.ndarray, root: int) -> None:

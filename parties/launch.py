@@ -307,7 +307,7 @@ def _outcome(config: JobPlan, out: Path) -> int:
     record = result.get("record", {})
     if result["outcome"] == "diverged":
         print(f"vfl train: diverged at epoch {record.get('epoch', 0):g} (loss {record.get('loss')}): "
-              f"{divergence_advice(config.gamma)}", file=sys.stderr)
+              f"{divergence_advice(result.get('gamma', config.gamma))}", file=sys.stderr)
         return EXIT_CODES["diverged"]
     target = config.target_suboptimality
     if target is not None and result["outcome"] != "target":

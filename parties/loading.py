@@ -9,6 +9,7 @@ active parties: passive parties never see it.
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 
@@ -40,7 +41,10 @@ def load_party(config: JobPlan, rank: int) -> PartyState:
                "writers": config.worker_threads + 1}  # slot 0: the dominator; 1..k: the workers
     if rule_cls is SAGARule:
         options["table_budget_bytes"] = int(config.saga_table_budget * 2**30)
-    rule = rule_cls(block, problem.regularizer, problem.lam, config.gamma, **options)
+    # under --gamma auto the step is derived from every party's block at start (parties.step.choose_gamma,
+    # before the first step): NaN until then, so that no step can be taken with a made-up one
+    gamma = config.gamma if config.gamma is not None else math.nan
+    rule = rule_cls(block, problem.regularizer, problem.lam, gamma, **options)
     has_test = X_test is not None and X_test.shape[0] > 0
     return PartyState(
         rank=rank, block=block, w=np.zeros(block.n_cols), rule=rule,

@@ -65,6 +65,7 @@ CONTROL_KINDS = {
     "sum_word": "control sum",
     "broadcast_public_key": "public key",
     "gather_dp_setup": "label-DP setup",
+    "gather_row_norms": "row-norm bounds",
     "agree": "lockstep agreement",
     TAG_FULL_THETA: "full ϑ",
     TAG_HE_FULL: "encrypted full pass",

@@ -42,5 +42,14 @@ def find_stop(output: str) -> tuple[str, str] | None:
     return found.group(1), found.group(2)
 
 
-def divergence_advice(gamma: float) -> str:
-    return f"try a smaller --gamma (tried {gamma:g})"
+def divergence_advice(gamma: float | None) -> str:
+    """One line for a run that diverged; ``gamma``: the step it tried (None: derived, not known here)."""
+    if gamma is None:
+        return "try a smaller --gamma than the one derived from the data (the run's first line says it)"
+    return f"try a smaller --gamma (tried {gamma:g}), or --gamma auto (a step derived from the data)"
+
+
+def worse_than_start_warning(final: float, start: float, gamma: float) -> str:
+    """One line for a run that ended above the loss of w = 0: training made the model worse."""
+    return (f"warning: the final training loss {final:.6g} is above the loss at w = 0 ({start:.6g}): the "
+            f"step γ = {gamma:.4g} is too long for this data; try a smaller --gamma (e.g. {gamma / 10:.3g})")

@@ -176,6 +176,9 @@ class PartyRuntime:
     def sum_word(self, value: int) -> int:
         return self.control.sum_word(value)
 
+    def gather_row_norms(self, max_squared: float, mean_squared: float) -> np.ndarray:
+        return self.control.gather_row_norms(max_squared, mean_squared)
+
     # ------------------------------------------------------------------------ the full passes
 
     def full_scores(self, test: bool = False, root: int = 0) -> np.ndarray | None:

@@ -30,9 +30,10 @@ from parties.checkpoint import (
     save_checkpoint,
 )
 from parties.config import RunConfig
-from parties.outcomes import Outcome
+from parties.outcomes import Outcome, worse_than_start_warning
 from parties.plan import JobPlan, next_segment, segment_quota
 from parties.runtime import PartyRuntime, PartyState, RuntimeOptions
+from parties.step import choose_gamma
 from protocols.channels import ChannelKeys
 from protocols.errors import ProtocolViolation
 
@@ -122,6 +123,7 @@ class _Trainer:
         self.updates = 0
         self.marked: float | None = None  # the last epoch the leader marked complete (none yet)
         self.initial_loss: float | None = None
+        self.gamma = config.gamma  # the base step: derived from the data at start when None
         self.out = Path(config.out)
         self.folder = config.party_folder(self.rank)
         self.log = None
@@ -129,6 +131,7 @@ class _Trainer:
 
     def run(self) -> TrainResult:
         config, party = self.config, self.party
+        self.gamma = choose_gamma(self.rt, config)  # before any step (collective under --gamma auto)
         if config.resume:
             self._resume()
         if self.rank == LEADER:
@@ -201,7 +204,7 @@ class _Trainer:
         if config.gamma_decay:
             # the step changes only at whole epochs (next_segment cuts there), with every coordinate
             # up to date (drain)
-            party.rule.set_gamma(config.gamma_at(self.epochs))
+            party.rule.set_gamma(config.gamma_at(self.epochs, self.gamma))
         started = time.perf_counter()
         # every rank sums the same words into self.epochs, so all agree on when a snapshot happens
         if party.rule.needs_snapshot and self.epochs >= next_snapshot - SNAPSHOT_SLACK:
@@ -261,15 +264,32 @@ class _Trainer:
         shown = ", ".join(f"{k} {v:.6g}" for k, v in record.items()
                           if k in ("loss", "suboptimality", "test_accuracy", "test_rmse"))
         data = self._data_name()
+        chosen = "derived from the data" if c.gamma is None else "--gamma"
         print(f"VFB²-{c.algorithm} ({c.mode}) on {data}, "
-              f"q={c.parties}, m={c.active}: {self.epochs:g} epochs, {self.updates} dominated updates in "
+              f"q={c.parties}, m={c.active}, γ = {self.gamma:.4g} ({chosen}): {self.epochs:g} epochs, "
+              f"{self.updates} dominated updates in "
               f"{self.train_time:.2f} s of training ({rate:,.0f}/s); {shown}.\n"
               f"Metrics: {self.out / 'metrics.jsonl'}; each party's block: "
               f"{c.party_dir or self.out}/party-<rank>.ckpt.npz",
               flush=True)
         summary = {"outcome": outcome.name.lower(), "data": data, "epochs": self.epochs,
-                   "updates": self.updates, "train_time": self.train_time, "gamma": c.gamma, "record": record}
+                   "updates": self.updates, "train_time": self.train_time, "gamma": self.gamma,
+                   "record": record}
+        warning = self._worse_than_start(record, outcome)
+        if warning is not None:
+            print(warning, flush=True)
+            summary["warning"] = warning
         (self.out / "result.json").write_text(json.dumps(summary) + "\n")
+
+    def _worse_than_start(self, record: dict, outcome: Outcome) -> str | None:
+        """The warning line when training ended above the loss of w = 0 (a diverged run has its own)."""
+        problem, y = self.party.problem, self.party.y
+        if outcome is Outcome.DIVERGED or problem is None or y is None:
+            return None
+        start = float(np.mean(problem.loss.value(np.zeros_like(y), y)))  # every regularizer is 0 at w = 0
+        if record["loss"] <= start:
+            return None
+        return worse_than_start_warning(record["loss"], start, self.gamma)
 
     def _data_name(self) -> str:
         """What the run trained on, as results show it: the dataset's name (``news20-standin`` for a

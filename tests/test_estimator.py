@@ -32,6 +32,7 @@ def test_logistic_regression_fits_to_the_nonf_optimum_and_scores(tmp_path):
     assert [b.size for b in model.coef_blocks_] == [c.size for c in model.columns_]
     assert sorted(np.concatenate(model.columns_)) == list(range(30))
     assert model.history_[-1]["epoch"] == 8
+    assert model.gamma_ == 0.05 and VerticalLogisticRegression().get_params()["gamma"] == 0.05
     assert model.run_dir_ == tmp_path / "run" and (model.run_dir_ / "metrics.jsonl").exists()   # asked for
     proba = model.predict_proba(X)  # scikit-learn's contract: one column per class, rows sum to 1
     assert proba.shape == (X.shape[0], 2) and np.allclose(proba.sum(axis=1), 1.0)

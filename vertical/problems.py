@@ -69,6 +69,9 @@ class Loss(ABC):
     name: str
     #: ``True`` when ``L`` is convex in ``z`` (decides whether Newton polishing is safe).
     convex: bool
+    #: ``max_z ∂²L(z, y)/∂z²`` over every z and label: the loss's smoothness in the score, which with
+    #: the rows' norms bounds the objective's (the default step, ``vertical.step_size``).
+    curvature: float
 
     @abstractmethod
     def value(self, z: Scalars, y: Scalars) -> Scalars:
@@ -89,6 +92,7 @@ class LogisticLoss(Loss):
 
     name: str = field(default="logistic", init=False)
     convex: bool = field(default=True, init=False)
+    curvature: float = field(default=0.25, init=False)  # σ(yz)σ(−yz) ≤ 1/4, at z = 0
 
     def value(self, z: Scalars, y: Scalars) -> Scalars:
         return np.logaddexp(0.0, -np.multiply(y, z))
@@ -108,6 +112,7 @@ class SquaredLoss(Loss):
 
     name: str = field(default="squared", init=False)
     convex: bool = field(default=True, init=False)
+    curvature: float = field(default=2.0, init=False)  # (z − y)² without the ½: 2 everywhere
 
     def value(self, z: Scalars, y: Scalars) -> Scalars:
         return np.square(np.subtract(z, y))
@@ -125,6 +130,7 @@ class RobustLoss(Loss):
 
     name: str = field(default="robust", init=False)
     convex: bool = field(default=False, init=False)
+    curvature: float = field(default=1.0, init=False)  # 2(2 − u²)/(u² + 2)², largest at u = z − y = 0
 
     def value(self, z: Scalars, y: Scalars) -> Scalars:
         r = np.subtract(y, z)
@@ -259,6 +265,11 @@ class Problem:
     def strongly_convex(self) -> bool:
         """``True`` when ``f`` is λ-strongly convex (unique minimiser ``w*``)."""
         return self.loss.convex and self.regularizer.strongly_convex and self.lam > 0.0
+
+    @property
+    def curvature(self) -> float:
+        """The loss's largest second derivative in the score (:attr:`Loss.curvature`)."""
+        return self.loss.curvature
 
     # -- validation ------------------------------------------------------------------------------
 

@@ -10,6 +10,10 @@ is the whole weight vector. Assembling it is possible only because this simulati
 in one process: in a deployment each party keeps its own block and ``vfl predict`` scores rows through
 secure aggregation. ``predict``/``decision_function`` here compute ``X @ coef_`` locally.
 
+``gamma=None`` derives the step from the data as ``vfl train --gamma auto`` does (``docs/usage.md``);
+the default is the paper's 0.05; ``gamma_`` is the step the fit used. A fit that ends above the loss of w = 0
+warns (scikit-learn's ``ConvergenceWarning``).
+
 The MPI layer is imported only inside ``fit``: importing the estimators starts no MPI.
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +38,7 @@ class _VerticalEstimator(BaseEstimator):
     _task: str
 
     def __init__(self, *, parties: int = 3, active: int = 1, algorithm: str = "svrg", lam: float = 1e-4,
-                 gamma: float = 0.05, epochs: float = 10.0, threads: int | None = None,
+                 gamma: float | None = 0.05, epochs: float = 10.0, threads: int | None = None,
                  eval_every: float = 1.0, seed: int = 0, out: str | None = None,
                  verbose: bool = False) -> None:
         self.parties = parties
@@ -121,6 +126,12 @@ class _VerticalEstimator(BaseEstimator):
             for cols, w in zip(columns, blocks, strict=True):
                 self.coef_[cols] = w
         self.history_ = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        result = json.loads((run / "result.json").read_text())
+        self.gamma_ = float(result["gamma"])  # the step used: derived from the data when gamma is None
+        if "warning" in result:  # ended above the loss of w = 0: the step was too long
+            from sklearn.exceptions import ConvergenceWarning
+
+            warnings.warn(result["warning"].removeprefix("warning: "), ConvergenceWarning, stacklevel=3)
         self.run_dir_ = run
 
     # ------------------------------------------------------------------------------------- predict
