@@ -250,10 +250,11 @@ def test_each_rank_refuses_rows_that_differ_from_the_leaders(tmp_path):
     assert "the rows of parties [2] are not the same samples as party 0's" in proc.stderr
 
 
-def test_a_closed_runtime_leaves_no_communicator_behind():
+def test_a_closed_runtime_leaves_no_communicator_behind(tmp_path):
     """``train`` is a library call: a process may run it many times, so a runtime must free every
-    communicator it duplicated (data, control, the aggregator's, the sync-global lockstep) on close."""
-    proc = run_mpi(3, ["tests/mpi_scripts/runtime_leak.py", "20"], check=False, timeout=120)
+    communicator it duplicated (data, control, the aggregator's, the sync-global lockstep) on close;
+    and ``train`` called twice in one process leaves none behind."""
+    proc = run_mpi(3, ["tests/mpi_scripts/runtime_leak.py", "20", str(tmp_path)], check=False, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert all(f"NO LEAK {rank}" in proc.stdout for rank in range(3)), proc.stdout + proc.stderr
 

@@ -1,7 +1,9 @@
 """Run under ``mpiexec -n 3``: construct and close a VFB² runtime ``argv[1]`` times in one process
 (``sync-global``, so it splits a lockstep communicator too) and check that every communicator it
 duplicated is ``MPI.COMM_NULL`` after each close. MPICH has a few thousand context ids: a runtime that
-leaked its communicators would run out of them long before the loop ends. Prints ``NO LEAK <rank>``."""
+leaked its communicators would run out of them long before the loop ends. Then the library call itself,
+``parties.training.train``, twice in the same process (``argv[2]``: a run folder): every runtime it
+made has freed its communicators when it returns. Prints ``NO LEAK <rank>``."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+import parties.training
+from parties.config import RunConfig
 from parties.runtime import PartyRuntime, PartyState, RuntimeOptions
 from vertical.algorithms.vfb2 import Block, get_rule
 from vertical.problems import get_problem
@@ -44,7 +48,28 @@ def main() -> None:
         kept = [c for c in comms if c != MPI.COMM_NULL]
         if kept or len(comms) != 4:
             raise SystemExit(f"party {rank}: round {k} kept {len(kept)} of {len(comms)} communicators")
+    trained = train_twice(comm, party, sys.argv[2])
+    if trained != 2:
+        raise SystemExit(f"party {rank}: {trained} of train's runtimes freed every communicator (2 calls)")
     print(f"NO LEAK {rank} ({rounds} runtimes in {time.perf_counter() - started:.1f} s)", flush=True)
+
+
+def train_twice(comm: MPI.Comm, party: PartyState, out: str) -> int:
+    """Call ``train`` twice; return how many runtimes it made whose communicators are all freed."""
+    made: list[PartyRuntime] = []
+
+    class Recorded(PartyRuntime):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    parties.training.PartyRuntime = Recorded
+    for k in range(2):
+        party.w[:] = 0.0
+        config = RunConfig(parties=3, active=2, algorithm="sgd", epochs=1, threads=1, out=f"{out}/{k}",
+                           progress=False)
+        parties.training.train(comm, party, config)
+    return sum(all(c == MPI.COMM_NULL for c in runtime.communicators()) for runtime in made)
 
 
 if __name__ == "__main__":
