@@ -60,6 +60,14 @@ from protocols.dispatch import Inbox, pack, piggyback, split_piggyback
 from protocols.errors import ProtocolViolation
 from protocols.transport import AGGREGATION_TAG, MpiTransport
 
+#: Request ids of one dominator this party accepts beyond its oldest unfinished one. A dominator keeps at
+#: most ``--inflight`` requests open and one cannot finish before this party has contributed, so honest
+#: traffic stays within a few ids of the oldest (link jitter reorders a few more); a flood of tree sums
+#: for far-ahead ids is refused instead of held: at most 256 × 2 partial sums of one message each
+#: (8,192 words without --label-privacy he: 32 MiB) per dominator, where the library default (65,536)
+#: allowed 8 GiB.
+MAX_OPEN_REQUESTS = 256
+
 
 class DataPlane:
     """One party's data communicator (a duplicate of ``comm``, collective), its threads and the
@@ -92,7 +100,8 @@ class DataPlane:
         #: seconds the straggler's workers wait before applying a batch (a collaborator slow to update)
         self.apply_delay = options.apply_delay if options.straggler == self.rank else 0.0
         self.node = AggregationNode(self.rank, self.q, tree_pairs, allow_leaky_q2=options.allow_two_parties,
-                                     roots=options.active_ranks)  # only dominators root a request
+                                     roots=options.active_ranks,  # only dominators root a request
+                                     max_open=MAX_OPEN_REQUESTS)
         self.node_lock = threading.Lock()
         self.inbox = Inbox(self.q)
         self._label_state(label)

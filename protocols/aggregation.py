@@ -86,8 +86,9 @@ HEADER_WORDS = 4
 #: Largest payload (values per request) a node accepts by default: 2**24 values, a 128 MiB message. The
 #: batched full passes of the runtime aggregate one value per training row.
 DEFAULT_MAX_BATCH = 1 << 24
-#: How far ahead of its oldest unfinished request of a root a tree sum may be: requests of one root finish
-#: roughly in order at every party, so a request id beyond this is garbage, not a slow request.
+#: How far ahead of its oldest unfinished request of a root a tree sum may be by default: requests of one
+#: root finish roughly in order at every party, so a request id beyond this is garbage, not a slow request.
+#: It also bounds what a flood of far-ahead tree sums can make a party hold (``max_open``).
 MAX_OPEN_PER_ROOT = 1 << 16
 _WORD = (1 << 64) - 1
 
@@ -220,9 +221,10 @@ class AggregationNode:
 
     def __init__(self, rank: int, size: int, tree_pairs: Sequence[TreePair], *,
                  masking: MaskingScheme | None = None, allow_leaky_q2: bool = False,
-                 max_batch: int = DEFAULT_MAX_BATCH, roots: Collection[int] | None = None) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+                 max_batch: int = DEFAULT_MAX_BATCH, roots: Collection[int] | None = None,
+                 max_open: int = MAX_OPEN_PER_ROOT) -> None:
+        if max_batch < 1 or max_open < 1:
+            raise ValueError(f"max_batch and max_open must be at least 1, got {max_batch} and {max_open}")
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not a party of 0..{size - 1}")
         if len(tree_pairs) != size:
@@ -242,6 +244,9 @@ class AggregationNode:
         self._next_rid = [0] * size
         self._requests: dict[tuple[int, int], _Request] = {}
         self.max_batch = max_batch
+        #: request ids of one root this party accepts beyond its oldest unfinished one: what it may hold
+        #: per root is at most ``max_open`` requests of two partial sums of ``max_batch`` values
+        self.max_open = max_open
         self._finished = [_Finished() for _ in range(size)]
         self._requested: list[set[int]] = [set() for _ in range(size)]  # per root: REQUESTs not finished
         #: who may root a request (the dominators: label holders), checked on every message received.
@@ -358,9 +363,9 @@ class AggregationNode:
         if rid in finished:
             raise ProtocolViolation(source, what, f"request {key} is already finished at party {self.rank} "
                                     f"(a duplicate or a late contribution)")
-        if rid >= finished.below + MAX_OPEN_PER_ROOT:
+        if rid >= finished.below + self.max_open:
             raise ProtocolViolation(source, what, f"request id {rid} of root {root} is more than "
-                                    f"{MAX_OPEN_PER_ROOT} ahead of the oldest open one ({finished.below})")
+                                    f"{self.max_open} ahead of the oldest open one ({finished.below})")
         tree = code - _MASKED
         state = self._requests.get(key)
         if state is None:
@@ -396,8 +401,8 @@ class AggregationNode:
         if rid in requested or rid in self._finished[root]:
             raise ProtocolViolation(source, "REQUEST", f"request id {rid} of root {root} was requested "
                                     f"before (a duplicate or replay)")
-        if rid >= self._finished[root].below + MAX_OPEN_PER_ROOT:
-            raise ProtocolViolation(source, "REQUEST", f"request id {rid} is more than {MAX_OPEN_PER_ROOT} "
+        if rid >= self._finished[root].below + self.max_open:
+            raise ProtocolViolation(source, "REQUEST", f"request id {rid} is more than {self.max_open} "
                                     f"ahead of the oldest open one ({self._finished[root].below})")
         indices = buffer[HEADER_WORDS:].view(np.int64)
         low, high = int(indices.min()), int(indices.max())

@@ -15,7 +15,15 @@ import pytest
 from mpi4py import MPI
 
 from parties.data_plane import DataPlane
-from parties.runtime import TAG_ACK, TAG_DONE, TAG_STOP, TAG_THETA, TAG_THETA_REQUEST, check_envelope
+from parties.runtime import (
+    MAX_MESSAGE_WORDS,
+    TAG_ACK,
+    TAG_DONE,
+    TAG_STOP,
+    TAG_THETA,
+    TAG_THETA_REQUEST,
+    check_envelope,
+)
 from protocols.aggregation import HEADER_WORDS, MAX_OPEN_PER_ROOT, AggregationNode, Kind
 from protocols.dispatch import DispatchError, Inbox, pack, piggyback, split_piggyback
 from protocols.errors import ProtocolViolation
@@ -256,6 +264,23 @@ def test_only_a_dominator_roots_an_aggregation(kind: int) -> None:
     AggregationNode(parent, Q, PAIRS, roots=[1]).receive(sender, _words(kind, 1, 0), n_rows=N_ROWS)
     with pytest.raises(ValueError, match="is not one of the roots"):
         AggregationNode(1, Q, PAIRS, roots=[0]).announce(np.array([3]))
+
+
+def test_far_ahead_requests_are_refused_at_the_nodes_bound_and_the_data_plane_keeps_it_small() -> None:
+    """A flood of tree sums for request ids far ahead would be held until they finish (never): the node
+    refuses any id ``max_open`` or more beyond its oldest unfinished one, naming the sender."""
+    root = 0
+    child, parent = _child_and_parent(root)
+    node = AggregationNode(parent, Q, PAIRS, max_open=4)
+    node.receive(child, _words(Kind.MASKED, root, 3))
+    with pytest.raises(ProtocolViolation, match=violation(child, "MASKED") + ".*request id 4 of root 0 is "
+                       "more than 4 ahead"):
+        node.receive(child, _words(Kind.MASKED, root, 4))
+    with pytest.raises(ProtocolViolation, match=violation(root, "REQUEST") + ".*request id 4 is more than 4"):
+        AggregationNode(parent, Q, PAIRS, max_open=4).receive(root, _words(Kind.REQUEST, root, 4))
+    from parties.data_plane import MAX_OPEN_REQUESTS
+
+    assert MAX_OPEN_REQUESTS * 2 * MAX_MESSAGE_WORDS * 8 <= 32 * 2**20  # the cap docs/security.md states
 
 
 def test_duplicate_requests_and_contributions_are_rejected_even_after_the_request_finished() -> None:
