@@ -243,9 +243,9 @@ class RunConfig:
     allow_two_parties: bool = option(
         False, "--allow-two-parties",
         help="accept q = 2, where the aggregate reveals the other party's partial products")
-    audit: bool = option(False, "--audit",
-                         help="each party records every message it receives to <out>/audit-<rank>.npz",
-                         budget=True)
+    audit: bool = option(False, "--audit", budget=True,
+                         help="each party records every message it receives to audit-<rank>.npz in its "
+                              "own folder (--party-dir, default --out)")
 
     def gamma_at(self, epochs: float, gamma: float | None = None) -> float:
         """The step size in the epoch that ``epochs`` falls in: γ/(1 + decay·e), e = ⌊epochs⌋ (constant γ,

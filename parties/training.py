@@ -67,8 +67,10 @@ def train(comm: MPI.Comm, party: PartyState, config: JobPlan | RunConfig) -> Tra
         config, keys=channel_keys(config, comm.Get_rank())))
     result = _Trainer(runtime, config).run()
     runtime.close()
-    if config.audit:
-        runtime.save_transcript(Path(config.out) / f"audit-{runtime.rank}.npz")
+    if config.audit:  # what this party received is its own: in its folder (--party-dir), not the run's
+        folder = config.party_folder(runtime.rank)
+        folder.mkdir(parents=True, exist_ok=True)
+        runtime.save_transcript(folder / f"audit-{runtime.rank}.npz")
     return result
 
 

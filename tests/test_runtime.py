@@ -322,11 +322,12 @@ def test_each_party_keeps_its_block_in_its_own_folder_and_predicts_from_it(tmp_p
     """No folder holds the whole model: training writes, and predict reads, each block only at its party."""
     out = tmp_path / "run"
     template = str(tmp_path / "org{rank}" / "model")
-    train(out, "-n", "3", "-m", "1", "--algorithm", "svrg", "--epochs", "2", "--party-dir", template, *CANCER)
-    assert not list(out.glob("*.ckpt.npz"))
+    train(out, "-n", "3", "-m", "1", "--algorithm", "svrg", "--epochs", "2", "--party-dir", template,
+          "--audit", *CANCER)
+    assert not list(out.glob("*.ckpt.npz")) and not list(out.glob("audit-*"))  # what each received is its own
     for rank in range(3):
         assert sorted(p.name for p in (tmp_path / f"org{rank}" / "model").iterdir()) == [
-            f"party-{rank}.ckpt.npz", f"party-{rank}.prev.ckpt.npz"]
+            f"audit-{rank}.npz", f"party-{rank}.ckpt.npz", f"party-{rank}.prev.ckpt.npz"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     subprocess.run([sys.executable, "-m", "vfl.cli", "predict", str(out)], cwd=REPO_ROOT, env=env,
                    check=True, capture_output=True, timeout=120)
