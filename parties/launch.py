@@ -23,7 +23,7 @@ from pathlib import Path
 
 from parties.checkpoint import MANIFEST, atomic_write, complete_epochs
 from parties.config import ConfigError, RunConfig, differing_options
-from parties.outcomes import EXIT_CODES, divergence_advice, find_stop
+from parties.outcomes import EXIT_CODES, decisive_verdict, divergence_advice, find_stop, read_verdicts
 from parties.plan import LEADER_ONLY, JobPlan, csv_party_folder, job_dataset, resolve, shared_part
 from parties.resume import restored_line, resumed_plan
 from vertical.datasets.csv_parties import is_csv_folder
@@ -172,7 +172,7 @@ def write_plan(plan: JobPlan) -> None:
 
 
 def _clear_stale(out: Path, resume: bool) -> None:
-    stale = [*out.glob("party-*.pid"), out / "result.json"]
+    stale = [*out.glob("party-*.pid"), *out.glob("verdict-*.txt"), out / "result.json"]
     if not resume:  # a fresh run (--overwrite): nothing of the old one may survive
         stale += [out / MANIFEST, out / "metrics.jsonl", *out.glob("party-*.ckpt.npz"),
                   *out.glob("predictions-*.csv"), *out.glob("audit-*.npz")]
@@ -192,7 +192,10 @@ def run_plan(plan: JobPlan, *, extra_env: dict[str, str] | None = None, echo: bo
         return _interrupted(out)
     if code == -signal.SIGINT or code == 128 + signal.SIGINT:
         return _interrupted(out)
-    stopped = find_stop(output) if code != 0 else None
+    # the ranks' verdict files first: a line printed just before an abort may not survive mpiexec
+    verdict = decisive_verdict(read_verdicts(out, plan.parties)) if code != 0 else None
+    basis = output if verdict is None else verdict
+    stopped = find_stop(basis) if code != 0 else None
     if stopped:
         outcome, reason = stopped
         advice = f"; {divergence_advice(plan.gamma)}" if outcome == "diverged" else ""
@@ -201,7 +204,7 @@ def run_plan(plan: JobPlan, *, extra_env: dict[str, str] | None = None, echo: bo
     if code != 0 and not echo:  # the verdict below points to the ranks' own messages
         sys.stderr.write(output[-8000:])
     if code != 0:
-        culprit = _failed_party(output, watch.first(output))
+        culprit = _failed_party(basis, watch.first(output))
         print(f"vfl train: the job failed (exit code {code}){culprit}. Checkpoints, if any, are in "
               f"{out} (--resume continues from them).", file=sys.stderr)
         return EXIT_CODES["failed"]

@@ -8,7 +8,9 @@ that finds the model has left the secure aggregation's fixed-point range aborts 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from enum import IntEnum
+from pathlib import Path
 
 
 class Outcome(IntEnum):
@@ -53,3 +55,53 @@ def worse_than_start_warning(final: float, start: float, gamma: float) -> str:
     """One line for a run that ended above the loss of w = 0: training made the model worse."""
     return (f"warning: the final training loss {final:.6g} is above the loss at w = 0 ({start:.6g}): the "
             f"step γ = {gamma:.4g} is too long for this data; try a smaller --gamma (e.g. {gamma / 10:.3g})")
+
+
+#: A verdict line of a rank that caught another one breaking the protocol (protocols/errors.py).
+_ACCUSATION = re.compile(r"^\[party (\d+)\] party (\d+) sent an invalid ")
+#: Most bytes of a verdict file read back: one line, written by a rank of this job.
+_VERDICT_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a rank wrote to ``<out>/verdict-<rank>.txt`` before it ended the job
+    (:func:`parties.lifecycle.end_job`)."""
+
+    at_ns: int
+    rank: int
+    line: str
+
+
+def read_verdicts(out: Path, parties: int) -> list[Verdict]:
+    """The ranks' verdicts, earliest first; a missing, oversized or malformed file is skipped (a rank
+    killed while writing leaves half a line, and a verdict is evidence, not an instruction)."""
+    found = []
+    for rank in range(parties):
+        try:
+            with open(Path(out) / f"verdict-{rank}.txt", "rb") as fh:
+                raw = fh.read(_VERDICT_BYTES + 1)
+        except OSError:
+            continue
+        stamp, _, line = raw.decode(errors="replace").strip().partition(" ")
+        if len(raw) <= _VERDICT_BYTES and stamp.isdigit() and line.startswith(f"[party {rank}]"):
+            found.append(Verdict(int(stamp), rank, line))
+    return sorted(found, key=lambda v: (v.at_ns, v.rank))
+
+
+def decisive_verdict(verdicts: list[Verdict]) -> str | None:
+    """The line that says why the job ended: the party accused by the most other parties (a hostile
+    rank may accuse an honest one, but the honest ones that caught it outnumber it; ties go to the
+    earliest accusation), else the earliest verdict; None without any."""
+    accusers: dict[int, set[int]] = {}
+    first: dict[int, str] = {}
+    for verdict in verdicts:
+        accusation = _ACCUSATION.match(verdict.line)
+        if accusation and int(accusation.group(1)) != int(accusation.group(2)):
+            accused = int(accusation.group(2))
+            accusers.setdefault(accused, set()).add(verdict.rank)
+            first.setdefault(accused, verdict.line)
+    if accusers:
+        order = list(first)  # insertion order: by time of the first accusation
+        return first[max(order, key=lambda accused: (len(accusers[accused]), -order.index(accused)))]
+    return verdicts[0].line if verdicts else None

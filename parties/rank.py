@@ -20,6 +20,7 @@ def run_party(config: JobPlan) -> None:
     """Load this rank's block and train it with the other ranks."""
     from mpi4py import MPI
 
+    from parties.lifecycle import end_job, report_verdicts_to, write_verdict
     from parties.loading import load_party
     from parties.outcomes import EXIT_CODES
     from parties.runtime import OUT_OF_RANGE, name_os_thread, stop_job
@@ -40,10 +41,12 @@ def run_party(config: JobPlan) -> None:
     config = leader_view(config, rank)  # the leader adds what only it may read (f* under label privacy)
     Path(config.out).mkdir(parents=True, exist_ok=True)
     (Path(config.out) / f"party-{rank}.pid").write_text(str(os.getpid()))
+    report_verdicts_to(Path(config.out) / f"verdict-{rank}.txt")
     try:
         party = load_party(config, rank)
     except Exception as err:
-        print(f"[party {rank}] cannot load its data: {err}", file=sys.stderr, flush=True)
+        write_verdict(line := f"[party {rank}] cannot load its data: {err}")
+        print(line, file=sys.stderr, flush=True)
         raise
     try:
         train(comm, party, config)
@@ -52,10 +55,10 @@ def run_party(config: JobPlan) -> None:
     except MisalignedError as err:
         stop_job(comm, rank, "usage", str(err))
     except ProtocolViolation as err:  # the sender's fault (the main thread's full passes): name it
-        print(f"[party {rank}] {err}", file=sys.stderr, flush=True)
-        comm.Abort(EXIT_CODES["failed"])
+        end_job(comm, f"[party {rank}] {err}", EXIT_CODES["failed"])
     except Exception as err:  # python -m mpi4py then aborts the whole job
-        print(f"[party {rank}] fatal error: {err!r}", file=sys.stderr, flush=True)
+        write_verdict(line := f"[party {rank}] fatal error: {err!r}")
+        print(line, file=sys.stderr, flush=True)
         raise
 
 

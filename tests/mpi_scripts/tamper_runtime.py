@@ -4,7 +4,8 @@ message with a raw ``Send`` after some honest training, as a tampering party wou
 ``argv[1]`` picks the message: ``row`` (a (ϑ, i) message for row n + 1, which used to reach the numba
 update kernel and crash it), ``truncated`` (a (ϑ, i) message one word short) or ``pickle`` (a pickle
 payload that would create ``argv[2]`` if anything unpickled it). Party 0 must end the job naming party 1;
-without that, every rank closes normally and prints ``NOT REJECTED``.
+without that, every rank closes normally and prints ``NOT REJECTED``. ``argv[3]``, when given, is the
+folder of the ranks' verdict files (``parties.lifecycle.report_verdicts_to``), as ``vfl train`` sets it.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
+from parties.lifecycle import report_verdicts_to
 from parties.runtime import TAG_THETA, PartyRuntime, RuntimeOptions
 from protocols.dispatch import pack
 from tests.mpi_scripts.small_party import N_ROWS, small_party
@@ -36,6 +39,8 @@ def main() -> None:
     scenario = sys.argv[1]
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
+    if len(sys.argv) > 3:
+        report_verdicts_to(Path(sys.argv[3]) / f"verdict-{rank}.txt")
     party = small_party(rank, active=rank < 2)
     runtime = PartyRuntime(comm, party, RuntimeOptions(active_ranks=(0, 1), threads=1, seed=0))
     if rank == 0:
