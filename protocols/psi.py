@@ -147,6 +147,12 @@ def check_points(points: np.ndarray, sender: int, what: str) -> int:
     big = (high == 0x7F) & np.all(points[:, 1:31] == 0xFF, axis=1) & (points[:, 0] >= 0xED)
     if np.any(big):
         raise PsiError(sender, what, "a u-coordinate is not reduced mod 2^255-19")
+    # Every list of the protocol is free of repeats (unique ids, and blinding is a bijection), so the
+    # first party to receive a repeat names the one that put it there: checked at the last hop only,
+    # a repeat made at the first hop blamed whoever forwarded it (at q = 2 the leader blamed itself).
+    rows = np.ascontiguousarray(points).view(f"V{POINT}").reshape(len(points))
+    if len(rows) > 1 and np.unique(rows).size != len(rows):
+        raise PsiError(sender, what, "it holds the same point twice")
     return len(points)
 
 

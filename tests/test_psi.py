@@ -239,6 +239,41 @@ def test_a_message_of_the_wrong_length_ends_the_job_naming_its_sender() -> None:
     assert "party 1 sent an invalid blinded list" in proc.stderr, proc.stderr
 
 
+DUPLICATE = """
+import sys
+import numpy as np
+from mpi4py import MPI
+import parties.align as align
+if MPI.COMM_WORLD.Get_rank() == 1:
+    real = align.Link.send
+    def repeat(self, arr, dest, tag):
+        if tag == align.TAG_RING:
+            arr = np.ascontiguousarray(arr).copy()
+            arr[1] = arr[0]
+        real(self, arr, dest, tag)
+    align.Link.send = repeat
+align.run_rank(["--bench", "50"])
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("q", [2, 3])
+def test_a_repeated_point_is_blamed_on_the_party_that_made_it_not_the_last_hop(q: int) -> None:
+    """Party 1 repeats a point of the list it passes on: its successor names it (at q = 2 the leader
+    used to blame itself, at q = 3 the honest last hop was blamed)."""
+    proc = run_mpi(q, ["-c", DUPLICATE], check=False, timeout=60)
+    assert proc.returncode != 0
+    assert "party 1 sent an invalid blinded list" in proc.stderr and "the same point twice" in proc.stderr, \
+        proc.stderr
+
+
+def test_a_received_list_with_a_repeat_names_its_sender() -> None:
+    points = psi.hash_to_curve(["a", "b", "c"], b"d")
+    points[2] = points[0]
+    with pytest.raises(psi.PsiError, match="party 4 sent an invalid blinded list: it holds the same point"):
+        psi.check_points(points, 4, "blinded list")
+
+
 @pytest.mark.mpi
 def test_benchmark_quick_writes_its_outputs(tmp_path: Path) -> None:
     from experiments.bench_psi import main
