@@ -101,7 +101,7 @@ class DataPlane:
         self.apply_delay = options.apply_delay if options.straggler == self.rank else 0.0
         self.node = AggregationNode(self.rank, self.q, tree_pairs, allow_leaky_q2=options.allow_two_parties,
                                      roots=options.active_ranks,  # only dominators root a request
-                                     max_open=MAX_OPEN_REQUESTS)
+                                     max_open=MAX_OPEN_REQUESTS, batch=options.batch_size)
         self.node_lock = threading.Lock()
         self.inbox = Inbox(self.q)
         self._label_state(label)

@@ -36,7 +36,8 @@ cannot tell which child (if any) overflowed. (In clear, the count per child told
 Validation (the receive boundary): :meth:`AggregationNode.receive` checks every header field against
 what this node can expect (a known kind, a root in ``0..q - 1``, a sender that may send this kind, a
 request id that is new for a ``REQUEST`` and not yet finished nor absurdly far ahead for a tree sum, a
-payload of ``1..max_batch`` words that matches the other contributions) and raises
+payload of ``1..max_batch`` words, exactly ``batch`` where the job fixes it, that matches the other
+contributions) and raises
 :class:`~protocols.errors.ProtocolViolation` naming the sender otherwise. Children are checked against
 the tree as soon as the party has started the request.
 
@@ -222,9 +223,11 @@ class AggregationNode:
     def __init__(self, rank: int, size: int, tree_pairs: Sequence[TreePair], *,
                  masking: MaskingScheme | None = None, allow_leaky_q2: bool = False,
                  max_batch: int = DEFAULT_MAX_BATCH, roots: Collection[int] | None = None,
-                 max_open: int = MAX_OPEN_PER_ROOT) -> None:
+                 max_open: int = MAX_OPEN_PER_ROOT, batch: int | None = None) -> None:
         if max_batch < 1 or max_open < 1:
             raise ValueError(f"max_batch and max_open must be at least 1, got {max_batch} and {max_open}")
+        if batch is not None and not 1 <= batch <= max_batch:
+            raise ValueError(f"batch must be in 1..{max_batch}, got {batch}")
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not a party of 0..{size - 1}")
         if len(tree_pairs) != size:
@@ -253,6 +256,10 @@ class AggregationNode:
         #: A party that could root one would read the model's score of any row it names (sign(z) = y on
         #: 83 % of a9a) and make every party compute for it.
         self.roots = frozenset(range(size) if roots is None else roots)
+        #: every request's length, when the job fixes it (the runtime's B): a REQUEST of another length
+        #: is its root's fault, a partial sum of another length its sender's. Without it, a root that
+        #: sent REQUESTs of different lengths got the honest party whose sum disagreed blamed.
+        self.batch = batch
         if not self.roots <= set(range(size)):
             raise ValueError(f"roots {sorted(self.roots)} are not all parties of 0..{size - 1}")
 
@@ -347,6 +354,9 @@ class AggregationNode:
         payload = buffer.size - HEADER_WORDS
         if payload > self.max_batch:
             raise ProtocolViolation(source, what, f"{payload} values exceed the limit of {self.max_batch}")
+        if self.batch is not None and payload != self.batch:
+            raise ProtocolViolation(source, what, f"{payload} values where every request of this job has "
+                                    f"{self.batch}")
         if code == _REQUEST:
             return self._on_request(source, root, rid, aux, buffer, n_rows)
         return self._on_tree_sum(source, code, root, rid, buffer, what, payload)

@@ -283,6 +283,24 @@ def test_far_ahead_requests_are_refused_at_the_nodes_bound_and_the_data_plane_ke
     assert MAX_OPEN_REQUESTS * 2 * MAX_MESSAGE_WORDS * 8 <= 32 * 2**20  # the cap docs/security.md states
 
 
+def test_with_the_jobs_batch_fixed_a_root_that_varies_its_request_length_is_the_one_named() -> None:
+    """A root that sent REQUESTs of different lengths used to get an honest party blamed (the one whose
+    sum disagreed with another's): the job's B is known to every party, so the REQUEST itself is refused,
+    naming the root, and a partial sum of another length names its own sender."""
+    root = 0
+    child, parent = _child_and_parent(root)
+    node = AggregationNode(parent, Q, PAIRS, batch=2)
+    with pytest.raises(ProtocolViolation, match=violation(root, "REQUEST") + ".*1 values where every request "
+                       "of this job has 2"):
+        node.receive(root, _words(Kind.REQUEST, root, 0, payload=(3,)))
+    node.receive(root, _words(Kind.REQUEST, root, 0, payload=(3, 4)))
+    with pytest.raises(ProtocolViolation, match=violation(child, "MASKED") + ".*3 values where"):
+        node.receive(child, _words(Kind.MASKED, root, 0, payload=(1, 2, 3)))
+    node.receive(child, _words(Kind.MASKED, root, 0, payload=(1, 2)))
+    with pytest.raises(ValueError, match=r"batch must be in 1\.\.64"):
+        AggregationNode(parent, Q, PAIRS, max_batch=64, batch=65)
+
+
 def test_duplicate_requests_and_contributions_are_rejected_even_after_the_request_finished() -> None:
     node = AggregationNode(2, Q, PAIRS)
     node.receive(1, _words(Kind.REQUEST, 1, 0))
