@@ -51,17 +51,20 @@ def test_readme_stays_a_guide():
 
 
 def test_quickstart_is_what_ci_runs():
-    """``.ci/run`` installs exactly the README's test-suite install and runs exactly its test command."""
+    """``.ci/run`` runs the README's two quickstart commands, in order: the install with the main job,
+    then the test-suite install with the test command (``python -m pip`` and ``-q`` aside)."""
     quick = _fenced_commands(_section(README.read_text(), "Quickstart"))
     assert len(quick) == 2, quick
     main_job, test_suite = quick
     assert main_job.endswith("./mpirun.sh") and "pip install -e ." in main_job
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.lstrip().startswith("#")]
-    ci_install = next(line for line in ci if "pip install" in line and "--upgrade pip" not in line)
-    assert _pip_install_args(ci_install) == _pip_install_args(test_suite)
-    readme_test = test_suite.split("&&")[-1].strip()
-    assert readme_test == "python -m pytest" and ci[-1] == readme_test
+    ci_steps = [line for line in ci if "pip install" in line and "--upgrade pip" not in line]
+    assert len(ci_steps) == 2, ci_steps
+    for ci_step, readme_step in zip(ci_steps, (main_job, test_suite), strict=True):
+        assert _pip_install_args(ci_step) == _pip_install_args(readme_step)
+        assert ci_step.split("&&")[-1].strip() == readme_step.split("&&")[-1].strip()
+    assert test_suite.split("&&")[-1].strip() == "python -m pytest" and ci[-1] == ci_steps[1]
 
 
 def test_every_vfl_command_has_a_line_in_the_readme():
