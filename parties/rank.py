@@ -66,5 +66,24 @@ def main(argv: list[str] | None = None) -> None:
     run_party(JobPlan.from_json(Path(args.config).read_text()))
 
 
+def exit_now() -> None:
+    """End this rank at once after a job that finished: flush its output, finalize MPI, ``os._exit(0)``.
+
+    Everything the job writes is complete by then (checkpoints and ``result.json`` are written whole and
+    closed, every thread is joined), so what is skipped is only the interpreter's teardown of numba,
+    scipy and their thousands of objects: 1.3 s of a q = 4 job's wall time on a loaded 2-core machine,
+    0.1 s this way (``python -m experiments startup``). A rank that fails never gets here: it aborts the
+    job with its own exit code.
+    """
+    from mpi4py import MPI
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    exit_now()
