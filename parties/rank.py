@@ -23,6 +23,7 @@ def run_party(config: JobPlan) -> None:
     from parties.loading import load_party
     from parties.outcomes import EXIT_CODES
     from parties.runtime import OUT_OF_RANGE, name_os_thread, stop_job
+    from parties.threads import configure_rank
     from parties.training import MisalignedError, train
     from protocols.errors import ProtocolViolation
     from protocols.masking import AggregationOverflowError, PrecisionWarning
@@ -32,6 +33,7 @@ def run_party(config: JobPlan) -> None:
     # The library call keeps the warning (a user summing tiny values of their own needs it); a
     # training job's output does not.
     warnings.filterwarnings("ignore", category=PrecisionWarning)
+    configure_rank()  # the pools' threads: this host's share (parties/threads.py)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     name_os_thread(f"p{rank}-main")
