@@ -155,7 +155,7 @@ def write_outputs(runs: list[dict], meta: dict, stem: Path) -> None:
                 f"wall exactly. Command: `{meta['command']}`; the job: `vfl {' '.join(JOB)}`.")
     stem.with_suffix(".md").write_text("\n".join(rows) + "\n")
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 3.6), layout="constrained")
+    fig, ax = plt.subplots(figsize=(8, 4.4), layout="constrained")
     for i, tree in enumerate(trees):
         left = 0.0
         for j, (key, label) in enumerate(PHASES.items()):
@@ -170,7 +170,7 @@ def write_outputs(runs: list[dict], meta: dict, stem: Path) -> None:
     ax.set_xlabel("seconds of wall time (medians)")
     ax.set_ylabel("tree")
     ax.set_title(f"vfl {' '.join(JOB)}", fontsize=9)
-    figure_legend(fig, ncol=3)
+    figure_legend(fig, ncol=2)
     save(fig, stem.with_suffix(".png"))
 
 
