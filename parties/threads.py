@@ -123,9 +123,11 @@ def configure_rank(environ: Mapping[str, str] = os.environ) -> int:
     or, when it decided none, this host's share (:func:`per_rank` of :func:`available_cpus` over
     Hydra's :data:`LOCAL_RANKS`); applied to torch if it is loaded, and to the BLAS/OpenMP pools already
     loaded when the environment did not size them. Returns the threads."""
-    decided = environ.get(DECIDED, "")
-    threads = int(decided) if decided.isdigit() and int(decided) > 0 else per_rank(
-        available_cpus(), int(environ.get(LOCAL_RANKS, "1") or 1))
+    decided, local = environ.get(DECIDED, ""), environ.get(LOCAL_RANKS, "")
+    if decided.isdigit() and int(decided) > 0:
+        threads = int(decided)
+    else:
+        threads = per_rank(available_cpus(), int(local) if local.isdigit() else 1)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(threads)
     if environ.get("OPENBLAS_NUM_THREADS") != str(threads) and "numpy" in sys.modules:
