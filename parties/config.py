@@ -170,6 +170,10 @@ class RunConfig:
                                       check=positive(" (seconds)"), budget=True)
     threads: int | None = option(None, "-k", "--threads", help="worker threads per party (default: m)",
                                  check=at_least(1))
+    compute_threads: int | None = option(
+        None, "--compute-threads", metavar="N", check=at_least(1), budget=True,
+        help="threads of each rank's numerical pools (BLAS/OpenMP, numba, torch); default: the CPUs this "
+             "process may use (affinity, cgroup quota) divided by the ranks on this host, at least 1")
     eval_every: float = option(1.0, "--eval-every", help="evaluate every this many epochs", check=positive())
     snapshot_every: float = option(
         1.0, "--snapshot-every", check=positive(),

@@ -26,6 +26,7 @@ from parties.config import ConfigError, RunConfig, differing_options
 from parties.outcomes import EXIT_CODES, decisive_verdict, divergence_advice, find_stop, read_verdicts
 from parties.plan import LEADER_ONLY, JobPlan, csv_party_folder, job_dataset, resolve, shared_part
 from parties.resume import restored_line, resumed_plan
+from parties.threads import launcher_environment, pool_environment, pools_for
 from vertical.datasets.csv_parties import is_csv_folder
 from vertical.problems import get_problem
 
@@ -49,7 +50,9 @@ def reference_f_star(config: RunConfig | JobPlan) -> float:
 
     ds = job_dataset(config.dataset, config.seed, config.data_dir)
     problem = get_problem(config.problem, lam=config.lam)
-    return float(solve_reference(problem, ds.X_train, ds.y_train).f_star)
+    X = ds.X_train
+    with pools_for(X.nnz if hasattr(X, "nnz") else X.size):  # small data: one BLAS thread, much faster
+        return float(solve_reference(problem, X, ds.y_train).f_star)
 
 
 def write_party_files(plan: JobPlan, out: Path) -> str:
@@ -185,9 +188,10 @@ def run_plan(plan: JobPlan, *, extra_env: dict[str, str] | None = None, echo: bo
     assert plan.out is not None, "prepare() made the run folder"
     out = Path(plan.out)
     watch = FirstDeath(out, plan.parties)
+    env = {**rank_threads(plan.parties, plan.compute_threads, extra_env), **(extra_env or {})}
     try:
         code, output = run_mpi_module(plan.parties, "parties.rank", ["--config", str(out / "config.json")],
-                                      extra_env=extra_env, echo=echo)
+                                      extra_env=env, echo=echo)
     except KeyboardInterrupt:
         return _interrupted(out)
     if code == -signal.SIGINT or code == 128 + signal.SIGINT:
@@ -209,6 +213,16 @@ def run_plan(plan: JobPlan, *, extra_env: dict[str, str] | None = None, echo: bo
               f"{out} (--resume continues from them).", file=sys.stderr)
         return EXIT_CODES["failed"]
     return _outcome(plan, out)
+
+
+def rank_threads(ranks: int, override: int | None, extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The pool sizes of the ``ranks`` ranks (:mod:`parties.threads`), as their environment. On this host
+    alone: this host's share, or ``--compute-threads``. Across hosts (``HYDRA_HOST_FILE``) only an explicit
+    ``--compute-threads``: the other hosts' CPUs are not seen from here, so each rank takes its own host's
+    share when it starts (:func:`parties.threads.configure_rank`)."""
+    if extra_env and "HYDRA_HOST_FILE" in extra_env:
+        return {} if override is None else pool_environment(override)
+    return launcher_environment(ranks, override)
 
 
 RUNS, LATEST = "runs", "latest"

@@ -286,10 +286,10 @@ def _check_saga_table(c: RunConfig, n_rows: int, widest_block: int) -> None:
 
 def check_he_features(c: RunConfig, passive_blocks) -> None:
     """Features must fit the fixed point of ``--label-privacy he`` (|x| < 2^VALUE_BITS)."""
+    if c.label_privacy != "he":
+        return  # before the import: protocols brings mpi4py.MPI, which a launcher must not load
     from protocols.label_he import VALUE_BITS
 
-    if c.label_privacy != "he":
-        return
     largest = max((float(abs(X).max()) if X.shape[0] * X.shape[1] else 0.0 for X in passive_blocks),
                   default=0.0)
     if not largest < 2.0**VALUE_BITS:  # NaN too
@@ -300,10 +300,10 @@ def check_he_features(c: RunConfig, passive_blocks) -> None:
 def check_he_batch(c: RunConfig, widest_passive_block: int, n_train: int) -> None:
     """B must exceed every passive block's width, or its batch gradient determines ϑ (label_he); so
     must n for SVRG, whose snapshot gives a passive party X_lᵀϑ_0 over all n rows."""
+    if c.label_privacy != "he":
+        return  # before the import, as above
     from protocols.label_he import min_batch
 
-    if c.label_privacy != "he":
-        return
     if c.algorithm == "svrg" and n_train < min_batch(widest_passive_block):
         raise ConfigError(f"--label-privacy he with svrg needs more training rows than a passive block "
                           f"has columns ({n_train} rows, {widest_passive_block} columns): the snapshot's "

@@ -24,6 +24,7 @@ def run_party(config: JobPlan) -> None:
     from parties.loading import load_party
     from parties.outcomes import EXIT_CODES
     from parties.runtime import OUT_OF_RANGE, name_os_thread, stop_job
+    from parties.threads import configure_rank
     from parties.training import MisalignedError, train
     from protocols.errors import ProtocolViolation
     from protocols.masking import AggregationOverflowError, PrecisionWarning
@@ -33,6 +34,7 @@ def run_party(config: JobPlan) -> None:
     # The library call keeps the warning (a user summing tiny values of their own needs it); a
     # training job's output does not.
     warnings.filterwarnings("ignore", category=PrecisionWarning)
+    configure_rank()  # the pools' threads: this host's share (parties/threads.py)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     name_os_thread(f"p{rank}-main")
@@ -69,5 +71,24 @@ def main(argv: list[str] | None = None) -> None:
     run_party(JobPlan.from_json(Path(args.config).read_text()))
 
 
+def exit_now() -> None:
+    """End this rank at once after a job that finished: flush its output, finalize MPI, ``os._exit(0)``.
+
+    Everything the job writes is complete by then (checkpoints and ``result.json`` are written whole and
+    closed, every thread is joined), so what is skipped is only the interpreter's teardown of numba,
+    scipy and their thousands of objects: 1.3 s of a q = 4 job's wall time on a loaded 2-core machine,
+    0.1 s this way (``python -m experiments startup``). A rank that fails never gets here: it aborts the
+    job with its own exit code.
+    """
+    from mpi4py import MPI
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    exit_now()

@@ -34,6 +34,7 @@ from parties.outcomes import Outcome, worse_than_start_warning
 from parties.plan import JobPlan, next_segment, segment_quota
 from parties.runtime import PartyRuntime, PartyState, RuntimeOptions
 from parties.step import choose_gamma
+from parties.threads import configured
 from protocols.channels import ChannelKeys
 from protocols.errors import ProtocolViolation
 
@@ -277,6 +278,8 @@ class _Trainer:
         summary = {"outcome": outcome.name.lower(), "data": data, "epochs": self.epochs,
                    "updates": self.updates, "train_time": self.train_time, "gamma": self.gamma,
                    "record": record}
+        if configured() is not None:  # the leader's pools (parties.threads), what its time was measured on
+            summary["compute_threads"] = configured()
         warning = self._worse_than_start(record, outcome)
         if warning is not None:
             print(warning, flush=True)

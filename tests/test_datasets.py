@@ -339,6 +339,24 @@ def test_embedded_datasets() -> None:
     assert not np.array_equal(load("digits", seed=3).train_ids, digits.train_ids)
 
 
+def test_breast_cancer_without_sklearn_is_sklearn_s_own(monkeypatch) -> None:
+    """``vfl train``'s default data is read from scikit-learn's CSV file without importing scikit-learn
+    (half a second of start-up): the same numbers as its loader, and its loader when the file is not
+    where it was."""
+    from sklearn.datasets import load_breast_cancer
+
+    from vertical.datasets import embedded
+
+    bunch = load_breast_cancer()
+    X, target = embedded.bundled_breast_cancer(569, 30)
+    assert np.array_equal(X, bunch.data) and np.array_equal(target, bunch.target)
+    assert embedded.bundled_breast_cancer(570, 30) is None  # another layout: not guessed at
+    direct = load("breast-cancer", seed=0)
+    monkeypatch.setattr(embedded, "bundled_breast_cancer", lambda *shape: None)
+    fallback = load("breast-cancer", seed=0)
+    assert np.array_equal(direct.X_train, fallback.X_train) and np.array_equal(direct.y_test, fallback.y_test)
+
+
 # ---------------------------------------------------------------- the real files
 
 

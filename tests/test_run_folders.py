@@ -179,4 +179,4 @@ def test_the_options_a_resume_may_change_are_the_budget_and_where_the_output_goe
     from parties.config import budget_options
 
     assert budget_options() == {"epochs", "time_limit", "target_suboptimality", "progress", "peer_timeout",
-                                "audit", "out", "resume", "overwrite", "data_dir"}
+                                "audit", "out", "resume", "overwrite", "data_dir", "compute_threads"}

@@ -37,13 +37,11 @@ import math
 import numpy as np
 from numba import njit
 
+from vertical.kernel_codes import MODE_SAGA_SCALAR, MODE_SGD, MODE_SVRG  # noqa: F401 (the rules' codes)
 from vertical.problems import REG_L2, REG_NONCONVEX
 
 #: The regularisers the kernels understand, by their code in ``vertical.problems`` (declared there once):
 #: g(w) = ½‖w‖² → ∇g = w; g(w) = ½ Σ w²/(1+w²) → ∇g = w/(1+w²)².
-
-#: Codes of the lazy rules: which dense term a step has and what the ϑ is compared with.
-MODE_SGD, MODE_SVRG, MODE_SAGA_SCALAR = 0, 1, 2
 
 #: Nonconvex catch-up: largest w-distance (in units of the regulariser's curvature scale 1) and
 #: largest λ·time one RK4 substep may cover. 0.01 keeps the RK4 error far below the modified-equation

@@ -41,15 +41,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
 import scipy.sparse as sp
-from scipy.sparse.linalg import LinearOperator
 from scipy.special import expit
 
 from vertical.metrics import accuracy, rmse
+
+if TYPE_CHECKING:  # imported where it is built: a rank never needs scipy.sparse.linalg (start-up time)
+    from scipy.sparse.linalg import LinearOperator
 
 FloatArray = npt.NDArray[np.float64]
 #: A float or an array of floats; losses return the same kind they are given (a numpy scalar for scalars).
@@ -318,6 +320,8 @@ class Problem:
 
         The curvature vector is computed once here, so each product costs two passes over ``X``.
         """
+        from scipy.sparse.linalg import LinearOperator
+
         if check:
             self.validate(w, X, y)
         n, d = X.shape

@@ -58,6 +58,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate every this many rounds")
     p.add_argument("-P", "--processes", type=int, default=d.processes,
                    help="client processes (mpiexec starts P + 1 ranks)")
+    p.add_argument("--compute-threads", type=int, default=d.compute_threads, metavar="N",
+                   help="threads of each rank's torch and BLAS/OpenMP pools; default: the CPUs this process "
+                        "may use divided by the P + 1 ranks, at least 1")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", default=d.out, help="run folder (metrics.jsonl, model.npz), or split's folder")
     p.add_argument("--no-progress", dest="progress", action="store_false")

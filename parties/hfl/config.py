@@ -86,6 +86,8 @@ class HflConfig:
     out: str = "runs/hfl"
     progress: bool = True
     trajectory: bool = False
+    #: threads of each rank's pools (torch, BLAS/OpenMP); None: this host's share (parties/threads.py)
+    compute_threads: int | None = None
     n_features: int | None = None
     n_classes: int | None = None
 
@@ -338,6 +340,8 @@ def validate(config: HflConfig) -> HflConfig:
     for name in ("clients", "per_round", "local_steps", "batch_size", "rounds", "eval_every", "processes"):
         if getattr(c, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(c, name)})")
+    if c.compute_threads is not None and c.compute_threads < 1:
+        raise ConfigError(f"--compute-threads must be at least 1 (got {c.compute_threads})")
     if c.processes > c.clients:
         raise ConfigError(f"--processes {c.processes} exceeds --clients {c.clients}: every client process "
                           "must host at least one client")

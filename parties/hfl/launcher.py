@@ -15,7 +15,7 @@ from parties.launch import run_mpi_module
 def launch_hfl(config: HflConfig, *, extra_env: dict[str, str] | None = None) -> int:
     """Validate ``config`` (ConfigError before any rank starts), write ``<out>/config.json`` and run the
     job under ``mpiexec`` with P + 1 ranks; returns the job's exit code."""
-    from parties.launch import FirstDeath
+    from parties.launch import FirstDeath, rank_threads
 
     config = validate(config)
     out = Path(config.out)
@@ -25,8 +25,9 @@ def launch_hfl(config: HflConfig, *, extra_env: dict[str, str] | None = None) ->
     for stale in out.glob("party-*.pid"):
         stale.unlink()
     watch = FirstDeath(out, config.processes + 1)
+    env = {**rank_threads(config.processes + 1, config.compute_threads, extra_env), **(extra_env or {})}
     code, output = run_mpi_module(config.processes + 1, "parties.hfl", ["--config", str(config_path)],
-                                  extra_env=extra_env)
+                                  extra_env=env)
     if code != 0:
         culprit = _failed_rank(output, watch.first(output))
         print(f"hfl: the job failed (exit code {code}){culprit}.", file=sys.stderr)

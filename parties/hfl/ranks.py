@@ -205,6 +205,9 @@ def run_ranks(config_paths: Sequence[str]) -> None:
     """Entry point of every rank under mpiexec: the jobs of ``config_paths``, one after the other."""
     from mpi4py import MPI
 
+    from parties.threads import configure_rank
+
+    configure_rank()  # torch's intra-op threads: this host's share, not every core (parties/threads.py)
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     comm = world.Dup()

@@ -21,8 +21,27 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from vertical import kernels
+from vertical.kernel_codes import MODE_SAGA_SCALAR, MODE_SGD, MODE_SVRG
 from vertical.problems import REG_NONE, Regularizer
+
+
+class _Kernels:
+    """:mod:`vertical.kernels`, imported at the first use of one of its names.
+
+    Defining the rules must not import numba: the algorithm table (and so ``vfl train``'s option parser
+    and its launcher) is built from them and never runs a kernel, while numba and its cached kernels
+    cost a process a large part of a second. Each name is looked up once and then kept on this object,
+    so the hot path pays a plain attribute read."""
+
+    def __getattr__(self, name: str):
+        from vertical import kernels as module
+
+        value = getattr(module, name)
+        setattr(self, name, value)
+        return value
+
+
+kernels = _Kernels()
 
 
 @dataclass(frozen=True)
@@ -183,7 +202,7 @@ class UpdateRule(ABC):
             return self.block.products(w, rows)
         b = self.block
         out = np.empty(rows.size, dtype=np.float64)
-        has_mu = self._mode != kernels.MODE_SGD
+        has_mu = self._mode != MODE_SGD
         kernels.lazy_row_dots(b.indptr, b.indices, b.data, w, rows, out, self.mu, has_mu, self.gamma,
                               self.lam, self.reg, self.last, self.counters, self._log_a, self.exact_gap)
         return out
@@ -194,7 +213,7 @@ class UpdateRule(ABC):
         Call it when no thread is writing: before a snapshot, an evaluation, a checkpoint or predict.
         """
         if self.lazy:
-            kernels.lazy_synchronize(w, self.mu, self._mode != kernels.MODE_SGD, self.gamma, self.lam,
+            kernels.lazy_synchronize(w, self.mu, self._mode != MODE_SGD, self.gamma, self.lam,
                                      self.reg, self.last, self.counters, self._log_a, self.exact_gap)
         self._synced_at = self.steps
 
@@ -247,7 +266,7 @@ class SGDRule(UpdateRule):
     """VFB²-SGD: ``w_l ← w_l − γ (ϑ x_i^(l) + λ ∇g(ŵ_l))``."""
 
     name = "sgd"
-    _mode = kernels.MODE_SGD
+    _mode = MODE_SGD
 
     def apply_gradient(self, w: np.ndarray, gradient_sum: np.ndarray) -> None:
         """One step from the batch's summed block gradient Σ_b ϑ_b x_{i_b}: the step ``apply`` takes on
@@ -275,7 +294,7 @@ class SVRGRule(UpdateRule):
 
     name = "svrg"
     needs_snapshot = True
-    _mode = kernels.MODE_SVRG
+    _mode = MODE_SVRG
 
     def __init__(self, block, regularizer, lam, gamma, **options):
         super().__init__(block, regularizer, lam, gamma, **options)
@@ -361,7 +380,7 @@ class ScalarSAGARule(UpdateRule):
 
     name = "saga-scalar"
     needs_initial_pass = True
-    _mode = kernels.MODE_SAGA_SCALAR
+    _mode = MODE_SAGA_SCALAR
 
     def __init__(self, block, regularizer, lam, gamma, **options):
         super().__init__(block, regularizer, lam, gamma, **options)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
-from sklearn.datasets import load_svmlight_files
 
 from vertical.datasets.base import Dataset, DatasetSpec, check_row_count, seeded_split
 from vertical.datasets.paths import open_binary
@@ -98,6 +97,8 @@ def _explained(paths: Sequence[Path], width: int, error: Exception) -> DataValid
 
 def read_svmlight(paths: Sequence[Path], n_features: int) -> list[tuple[sp.csr_matrix, np.ndarray]]:
     """``(X, y)`` per file, all with ``n_features`` columns; parse errors name the file and line."""
+    from sklearn.datasets import load_svmlight_files  # here: importing sklearn costs ~1 s of start-up
+
     try:
         loaded = load_svmlight_files([str(p) for p in paths], n_features=n_features, dtype=np.float64,
                                      zero_based="auto", query_id=False)

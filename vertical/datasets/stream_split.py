@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
-from sklearn.datasets import load_svmlight_file
 
 from vertical.datasets.base import seeded_split
 from vertical.datasets.libsvm import bad_libsvm_line
@@ -74,6 +73,8 @@ def _explain(path: Path, text: bytes, first_line: int, error: Exception) -> Data
 
 def _chunks(path: Path, chunk_bytes: int) -> Iterator[_Chunk]:
     """The file as CSR chunks of whole lines, each row with its line number."""
+    from sklearn.datasets import load_svmlight_file  # here: importing sklearn costs ~1 s of start-up
+
     line, row = 1, 0
     with open_binary(path) as f:
         while True:
