@@ -25,6 +25,7 @@ def run_party(config: JobPlan) -> None:
     from parties.runtime import OUT_OF_RANGE, name_os_thread, stop_job
     from parties.training import MisalignedError, train
     from protocols.errors import ProtocolViolation
+    from protocols.liveness import PeerTimeout
     from protocols.masking import AggregationOverflowError, PrecisionWarning
 
     # A score z = Σ w_l·x_l near 0 (w starts at 0) may hold partial products below the ring's resolution
@@ -51,6 +52,8 @@ def run_party(config: JobPlan) -> None:
         stop_job(comm, rank, "diverged", OUT_OF_RANGE)
     except MisalignedError as err:
         stop_job(comm, rank, "usage", str(err))
+    except PeerTimeout as err:  # a peer did not deliver its part of a barrier-time exchange in time
+        stop_job(comm, rank, "failed", str(err))
     except ProtocolViolation as err:  # the sender's fault (the main thread's full passes): name it
         print(f"[party {rank}] {err}", file=sys.stderr, flush=True)
         comm.Abort(EXIT_CODES["failed"])
