@@ -21,6 +21,7 @@ def run_party(config: JobPlan) -> None:
     from mpi4py import MPI
 
     from parties.loading import load_party
+    from parties.orphans import die_with_parent
     from parties.outcomes import EXIT_CODES
     from parties.runtime import OUT_OF_RANGE, name_os_thread, stop_job
     from parties.training import MisalignedError, train
@@ -33,6 +34,7 @@ def run_party(config: JobPlan) -> None:
     # The library call keeps the warning (a user summing tiny values of their own needs it); a
     # training job's output does not.
     warnings.filterwarnings("ignore", category=PrecisionWarning)
+    die_with_parent()  # no orphan rank if its proxy is killed (parties/orphans.py)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     name_os_thread(f"p{rank}-main")

@@ -118,12 +118,13 @@ class PartyRuntime:
         self.audit = AuditLog(self.rank, options.audit)
         #: every wait on a peer has a deadline (protocols/liveness.py): the start-up's until the data
         #: plane is up (parties load, compile and make keys at their own pace), --peer-timeout after
-        self.liveness = Liveness(self.rank, self.q, max(STARTUP_TIMEOUT_S, options.peer_timeout))
+        pairs = build_all_tree_pairs(self.q, options.seed, allow_leaky_q2=options.allow_two_parties)
+        self.liveness = Liveness(self.rank, self.q, max(STARTUP_TIMEOUT_S, options.peer_timeout),
+                                 depth=max(max(pair.t1.depth(), pair.t2.depth()) for pair in pairs))
         self.control = ControlPlane(
             comm, self.audit, self.liveness,
             lockstep_of=self.active_ranks if options.mode == "sync-global" else None,
             theta_channels=None if keys is None else keys.channels(self.rank, b"full-theta"))
-        pairs = build_all_tree_pairs(self.q, options.seed, allow_leaky_q2=options.allow_two_parties)
         self.aggregator = SecureAggregator.over_mpi(
             self.control.comm, tree_pairs=pairs, allow_leaky_q2=options.allow_two_parties,
             channels=None if keys is None else keys.channels(self.rank, b"full-passes"),

@@ -11,8 +11,8 @@ heartbeats, which come from a thread of their own and say nothing about the prot
 run, and the one nearer the culprit must fire first. So every wait has a *level* and its limit is
 ``timeout + level * stagger``: a party waits for what its peer can send without waiting for anyone (a
 leaf's tree sum, a frame's payload, a decryption) at level 0, for a tree sum from a child whose subtree
-has height h at level h, for a dominator's segment (``DONE``) at :attr:`Liveness.segment_level` (q, above
-any tree) and for a barrier-time exchange at :attr:`Liveness.exchange_level` (q + 1).
+has height h at level h, for a dominator's segment (``DONE``) at :attr:`Liveness.segment_level` (one
+above the deepest tree) and for a barrier-time exchange at :attr:`Liveness.exchange_level` (one more).
 
 :class:`Liveness` is one party's clock of its peers, shared by its threads and planes; :class:`Pending`
 completes a set of nonblocking sends and receives under it (the control plane's exchanges, ``vfl
@@ -25,17 +25,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-from mpi4py import MPI
 
 from protocols.errors import ProtocolError, ProtocolViolation
+
+if TYPE_CHECKING:  # imported where used: importing mpi4py.MPI starts MPI, which a launcher must not
+    from mpi4py import MPI
 
 __all__ = ["STAGGER_S", "STARTUP_TIMEOUT_S", "Backoff", "Liveness", "PeerTimeout", "Pending"]
 
 #: Seconds added to a wait's limit per level (module docstring): far more than a message's latency and
 #: a watchdog's tick on a loaded machine, small beside any ``--peer-timeout``.
-STAGGER_S = 0.4
+STAGGER_S = 0.25
 #: The limit of every wait before a job's runtime is up: parties load their data, compile kernels and
 #: make keys at their own pace (an HE key of 3072 bits takes seconds, a large party file minutes), with
 #: nothing to deliver meanwhile.
@@ -83,17 +86,18 @@ class Liveness:
     """
 
     def __init__(self, rank: int, size: int, timeout: float | None, *, stagger: float = STAGGER_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 depth: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.rank, self.size = rank, size
         self.timeout = timeout
         self.stagger = stagger
         self.clock = clock
         #: per peer, when it last delivered a protocol message (a list: the hot path writes it)
         self.heard = [clock()] * size
-        #: the level of waiting for a dominator's segment: above any tree (heights are below q)
-        self.segment_level = size
+        #: the level of waiting for a dominator's segment: above any tree (``depth``: the deepest tree's
+        #: height, at most q - 1)
+        self.segment_level = (size - 1 if depth is None else depth) + 1
         #: the level of a barrier-time exchange: above a segment
-        self.exchange_level = size + 1
+        self.exchange_level = self.segment_level + 1
 
     def delivered(self, peer: int) -> None:
         """``peer`` delivered a protocol message just now (not a heartbeat)."""
@@ -151,20 +155,30 @@ class Pending:
     """
 
     def __init__(self, comm: MPI.Comm, liveness: Liveness, what: str, level: int = 0) -> None:
+        from mpi4py import MPI
+
         self.comm, self.liveness, self.what, self.level = comm, liveness, what, level
         self._open: list[tuple[MPI.Request, int, np.ndarray, bool, str]] = []
         self._status = MPI.Status()
+        #: a buffer the caller hangs here (``parties.align`` keeps a list's pieces in one)
+        self.buffer: np.ndarray | None = None
 
     def recv(self, buf: np.ndarray, source: int, tag: int, what: str | None = None) -> np.ndarray:
+        from mpi4py import MPI
+
         request = self.comm.Irecv([buf, MPI.BYTE], source, tag)
         self._open.append((request, source, buf, True, what or self.what))
         return buf
 
     def send(self, buf: np.ndarray, dest: int, tag: int) -> None:
+        from mpi4py import MPI
+
         self._open.append((self.comm.Isend([buf, MPI.BYTE], dest, tag), dest, buf, False, self.what))
 
     def poll(self) -> bool:
         """Complete what has arrived, without waiting; whether everything is complete."""
+        from mpi4py import MPI
+
         still = []
         for item in self._open:
             request, peer, buf, receiving, what = item
