@@ -51,16 +51,17 @@ from protocols.liveness import Liveness, Pending
 class ControlPlane:
     """The control communicator of one party (collective construction: it duplicates ``comm``).
 
-    ``liveness`` holds the deadlines of every wait (``protocols/liveness.py``). ``lockstep_of``
+    ``liveness`` holds the deadlines of every wait (``protocols/liveness.py``; None: no deadline, for a
+    caller with nobody to wait for). ``lockstep_of``
     (``sync-global``): the dominators, which agree on every step. ``theta_channels`` seals the full ϑ
     (``--secure-channels``). :meth:`close` frees the communicator (collective).
     """
 
-    def __init__(self, comm: MPI.Comm, audit: AuditLog, liveness: Liveness, *,
+    def __init__(self, comm: MPI.Comm, audit: AuditLog, liveness: Liveness | None = None, *,
                  lockstep_of: list[int] | None = None, theta_channels: SecureChannels | None = None) -> None:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.liveness = liveness
+        self.liveness = liveness if liveness is not None else Liveness(self.rank, self.size, None)
         self.comm = liveness.dup(comm, "the set-up of the control plane")
         self.audit = audit
         self.theta_channels = theta_channels
