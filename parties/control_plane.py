@@ -62,7 +62,7 @@ class ControlPlane:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.liveness = liveness if liveness is not None else Liveness(self.rank, self.size, None)
-        self.comm = liveness.dup(comm, "the set-up of the control plane")
+        self.comm = self.liveness.dup(comm, "the set-up of the control plane")
         self.audit = audit
         self.theta_channels = theta_channels
         #: sync-global: the dominators that agree on each step (None otherwise)
