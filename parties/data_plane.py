@@ -12,10 +12,21 @@ Threads:
 * **k worker threads** - apply collaborative updates (Alg. 3/5/7) to the shared block ``w`` lock-free
   with numba ``nogil`` kernels, so they really run in parallel. The ϑ stream of dominator r goes to
   worker ``r mod k`` (k = m: one worker per dominator stream, the paper's setting).
-* **heartbeat thread** - tells the others this party is alive, and ends the job when one is silent.
+* **heartbeat thread** - tells the others this party is alive, ends the job when one is silent, and
+  watches the partial sums this party's requests wait for (protocols/liveness.py: the rule and its
+  levels). Heartbeats show a party's process is alive, never that it does its part of the protocol:
+  only what a peer delivers restarts the deadline of a wait on it.
 * **the dominated loop** (:meth:`DataPlane.dominate`, the main thread of an active party during a
   segment): sample rows, obtain ŵ·x by Algorithm 1 rooted here, compute ϑ, broadcast (ϑ, i), update
   its own block.
+
+Every wait on a peer has a deadline (``--peer-timeout``, protocols/liveness.py): the partial sums of a
+request (watched by the heartbeat thread; a child whose subtree has height h waits at level h), a
+segment's ``DONE`` (level q, in :meth:`DataPlane.drain`), a synchronous step's acknowledgements (level 1),
+an HE decryption (level 0, parties/label_plane.py) and the ``STOP`` messages at the end. A ``DONE`` is
+``[segment, count]``: the next segment of its dominator, at most one ahead of this party's own, with a
+count equal to the (ϑ, i) received from it; an ``ACK`` carries the sequence number it acknowledges, the
+next one from that party and one this dominator has sent. Anything else ends the job naming the sender.
 
 Every data-plane message goes through one :class:`~protocols.transport.MpiTransport`: sends may come
 from any thread (``MPI_THREAD_MULTIPLE``), never block, and are sealed there with ``--secure-channels``.
@@ -58,6 +69,7 @@ from protocols.channels import OVERHEAD_WORDS
 from protocols.delay import DelayedDelivery
 from protocols.dispatch import Inbox, pack, piggyback, split_piggyback
 from protocols.errors import ProtocolViolation
+from protocols.liveness import Liveness
 from protocols.transport import AGGREGATION_TAG, MpiTransport
 
 #: Request ids of one dominator this party accepts beyond its oldest unfinished one. A dominator keeps at
@@ -67,20 +79,23 @@ from protocols.transport import AGGREGATION_TAG, MpiTransport
 #: (8,192 words without --label-privacy he: 32 MiB) per dominator, where the library default (65,536)
 #: allowed 8 GiB.
 MAX_OPEN_REQUESTS = 256
+#: Longest a thread waiting on a peer sleeps before it looks at its deadline again (seconds).
+TICK = 0.05
 
 
 class DataPlane:
     """One party's data communicator (a duplicate of ``comm``, collective), its threads and the
     dominated loop. ``control`` is the party's control plane (barriers, the ``sync-global``
     agreement), ``label`` its label plane under ``--label-privacy he`` (else None), ``records`` the
-    audit transcript (None when not auditing). :meth:`start` starts the threads, :meth:`stop` ends
-    them, :meth:`free` frees the communicator."""
+    audit transcript (None when not auditing), ``liveness`` the party's deadlines (the control plane's).
+    :meth:`start` starts the threads, :meth:`stop` ends them, :meth:`free` frees the communicator."""
 
     def __init__(self, comm: MPI.Comm, party, options: RuntimeOptions, *, tree_pairs, control,
                  label=None, records: list | None = None) -> None:
         self.party = party
         self.rank, self.q = comm.Get_rank(), comm.Get_size()
-        self.data = comm.Dup()
+        self.liveness: Liveness = control.liveness
+        self.data = self.liveness.dup(comm, "the set-up of the data plane")
         self.control = control
         self.label = label
         self.transcript = records
@@ -111,7 +126,8 @@ class DataPlane:
         #: every data-plane message, both ways (protocols/transport.py): sends from any thread, sealed
         #: with channels; the communication thread is its one receiver
         self.transport = MpiTransport(self.data, capacity_words=wire_words, max_message_words=wire_words,
-                                      channels=self.channels, kinds=MESSAGE_KINDS)
+                                      channels=self.channels, kinds=MESSAGE_KINDS, liveness=self.liveness,
+                                      silent_tags=frozenset({TAG_HEARTBEAT}))
         self.applied = np.zeros(self.q, dtype=np.int64)
         self.applied_cond = threading.Condition()
         self.sent = 0
@@ -119,7 +135,11 @@ class DataPlane:
         self.done_segments = np.zeros(self.q, dtype=np.int64)
         self.done_sent = np.zeros(self.q, dtype=np.int64)
         self.segment = 0
-        self.acks: queue.SimpleQueue[int] = queue.SimpleQueue()
+        #: segments this party has drained: a DONE may be at most one segment ahead of it
+        self._drained = 0
+        #: sync modes: per party, the ACKs received (each for the next of this dominator's (ϑ, i))
+        self.acked = np.zeros(self.q, dtype=np.int64)
+        self.acked_cond = threading.Condition()
         self.results: dict[int, queue.SimpleQueue[np.ndarray]] = {}
         self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(options.threads)]
         #: per rank: the worker queue of its (ϑ, i) stream (dominator r → worker r mod k)
@@ -130,6 +150,9 @@ class DataPlane:
         self.last_heard = np.zeros(self.q)
         self._stopped = np.zeros(self.q, dtype=np.int64)  # STOP messages received, per party
         self._stopping = threading.Event()
+        #: requests this party has started (its own and others'), with when: their partial sums are
+        #: watched by the heartbeat thread until they are done here (under node_lock)
+        self._started: dict[tuple[int, int], float] = {}
         self._guard = functools.partial(guarded, self.data, self.rank)
         self._link = (options.link_delay, options.link_jitter, options.seed + self.rank)
 
@@ -149,6 +172,7 @@ class DataPlane:
         """Warm up, wait until every party has (silence from then on means something), start the threads."""
         self._warm_up()
         self.control.barrier()
+        self.liveness.timeout = self.peer_timeout  # up: from now on every wait has --peer-timeout
         self.last_heard[:] = time.monotonic()
         self._heartbeat = threading.Thread(target=self._guard(self._heartbeat_loop), name="heartbeat",
                                            daemon=True)
@@ -187,10 +211,14 @@ class DataPlane:
         stop = np.zeros(1, np.uint64)
         for dest in range(self.q):
             self.transport.send(dest, stop, TAG_STOP)
-        self._comm_thread.join()
+        since, level = time.monotonic(), self.liveness.exchange_level
+        while self._comm_thread.is_alive():  # a party that never says STOP ends the job, named
+            self._comm_thread.join(TICK)
+            self.liveness.check({p: level for p in range(self.q) if not self._stopped[p]}, since,
+                                "its STOP message")
         if self.link is not None:
             self.link.close()
-        self.transport.flush()
+        self.transport.flush(level)
 
     def free(self) -> None:
         """Free the data communicator (collective); afterwards it is ``MPI.COMM_NULL``."""
@@ -241,13 +269,9 @@ class DataPlane:
             self._on_theta(source, theta)
             self._on_aggregation(source, request)
         elif tag == TAG_DONE:
-            count = self.inbox.done(source, msg.view(np.int64))
-            with self.applied_cond:
-                self.done_segments[source] += 1
-                self.done_sent[source] = count
-                self.applied_cond.notify_all()
+            self._on_done(source, msg.view(np.int64))
         elif tag == TAG_ACK:
-            self.acks.put(source)
+            self._on_ack(source, int(msg[0]))
         elif tag == TAG_HE_BATCH:
             seq, rows, payload = label_he.unpack_batch(source, msg, n_rows=self.party.block.n_rows,
                                                        batch=self.batch_size)
@@ -259,27 +283,76 @@ class DataPlane:
             self.label.replies[source].put(msg)
         # TAG_HEARTBEAT: being heard from is all it says
 
+    def _on_done(self, source: int, words: np.ndarray) -> None:
+        """A dominator's ``[segment, count]``: the next segment of that dominator (a second DONE of one
+        segment, or a replayed one, is refused), no more than one ahead of this party's drained segments,
+        and a count of exactly the (ϑ, i) received from it (``Inbox.done``)."""
+        segment = int(words[0])
+        expected = int(self.done_segments[source]) + 1
+        if segment != expected or segment > self._drained + 1:
+            kind = "a second or replayed DONE" if segment < expected else "ahead of the segments run"
+            raise ProtocolViolation(source, "DONE message", f"for segment {segment} where {expected} was "
+                                    f"expected ({kind}; party {self.rank} has drained {self._drained})")
+        count = self.inbox.done(source, words[1:])
+        with self.applied_cond:
+            self.done_segments[source] = segment
+            self.done_sent[source] = count
+            self.applied_cond.notify_all()
+
+    def _on_ack(self, source: int, seq: int) -> None:
+        """A collaborator acknowledges this dominator's (ϑ, i) number ``seq``: its next, and one sent."""
+        with self.acked_cond:
+            expected = int(self.acked[source])
+            if seq != expected or seq >= self.sent:
+                kind = "a replay" if seq < expected else "out of order, or for a step not sent"
+                raise ProtocolViolation(source, "ACK message", f"acknowledges (ϑ, i) #{seq} where "
+                                        f"#{expected} was expected ({kind}; {self.sent} sent)")
+            self.acked[source] = expected + 1
+            self.acked_cond.notify_all()
+
     def _on_theta(self, source: int, message: np.ndarray) -> None:
         """A dominator's (ϑ, i) broadcast: validated (protocols/dispatch.py), then to its worker."""
         rows, thetas = self.inbox.unpack(source, message, self.party.block.n_rows)
         self._queue_of[source].put((source, rows, thetas))
 
     def _heartbeat_loop(self) -> None:
-        """Liveness: tell every other party this one is alive, and end the job when one has been
-        silent for ``peer_timeout`` seconds. A party that is stopped, cut off or frozen would otherwise
-        leave the others waiting forever (a crashed one is already handled: MPI ends the job)."""
+        """Liveness: tell every other party this one is alive, end the job when one has been silent for
+        ``peer_timeout`` seconds (heartbeats included: a party that is stopped, cut off or frozen would
+        otherwise leave the others waiting forever; a crashed one is already handled: MPI ends the job),
+        and when a child has not delivered a partial sum this party's request waits for
+        (:meth:`_check_partial_sums`: heartbeats do not count there)."""
         beat = np.zeros(1, dtype=np.uint64)
         others = [r for r in range(self.q) if r != self.rank]
-        while not self._stopping.wait(min(self.peer_timeout / 4, 0.5)):
-            for dest in others:
-                self.transport.send(dest, beat, TAG_HEARTBEAT)
+        every = min(self.peer_timeout / 4, 0.5)
+        tick = min(self.peer_timeout / 10, 0.1)
+        beaten = 0.0
+        while not self._stopping.wait(tick):
             now = time.monotonic()
+            if now - beaten >= every:
+                for dest in others:
+                    self.transport.send(dest, beat, TAG_HEARTBEAT)
+                beaten = now
             silent = max(others, key=lambda r: now - self.last_heard[r])
             gap = now - self.last_heard[silent]
             if gap > self.peer_timeout:
                 stop_job(self.data, self.rank, "failed",
                          f"party {silent} has been silent for {gap:.1f} s (stopped, unreachable or hung?); "
                          f"--peer-timeout is {self.peer_timeout:g} s")
+            self._check_partial_sums()
+
+    def _check_partial_sums(self) -> None:
+        """Every request started here: a child that has delivered nothing for its limit (the level of
+        its subtree's height) since this party started the request raises PeerTimeout naming it."""
+        with self.node_lock:
+            waits = []
+            for key, since in list(self._started.items()):
+                awaited = self.node.awaited(*key)
+                if awaited:
+                    waits.append((key, since, awaited))
+                elif not self.node.in_progress(*key):
+                    del self._started[key]
+        for (root, rid), since, awaited in waits:
+            self.liveness.check(awaited, since, f"its partial sum of request ({root}, {rid})")
 
     def _on_aggregation(self, source: int, buf: np.ndarray) -> None:
         started = time.perf_counter()
@@ -295,6 +368,7 @@ class DataPlane:
             values = self.party.rule.products(self.party.w, event.indices)
             with self.node_lock:
                 step = self.node.start(event.root, event.rid, values)
+                self._started[(event.root, event.rid)] = time.monotonic()
             self._send_all(step.outgoing)
             event = step.event
         if isinstance(event, Completed):
@@ -350,12 +424,14 @@ class DataPlane:
     def _applied(self, sources: list[int]) -> None:
         """Count what a worker applied (``drain`` waits on it); the synchronous modes acknowledge each."""
         with self.applied_cond:
+            numbers = []
             for source in sources:
+                numbers.append(int(self.applied[source]))  # its sequence number: applied in order
                 self.applied[source] += 1
             self.applied_cond.notify_all()
         if self.synchronous:
-            for source in sources:
-                self.transport.send(source, np.zeros(1, np.uint64), TAG_ACK)
+            for source, seq in zip(sources, numbers, strict=True):
+                self.transport.send(source, np.array([seq], np.uint64), TAG_ACK)
 
     # ------------------------------------------------------------------------------- dominated updates
 
@@ -395,6 +471,7 @@ class DataPlane:
         values = self.party.rule.products(self.party.w, rows)
         with self.node_lock:
             step = self.node.start(self.rank, rid, values)
+            self._started[(self.rank, rid)] = time.monotonic()
         self._straggle(started)
         self._send_all(step.outgoing)
         if isinstance(step.event, Completed):  # q = 1 never happens; kept exact for a leaf-less tree
@@ -420,7 +497,7 @@ class DataPlane:
                 if self._batches is None else self._batches.take(n_steps))
         others = [r for r in range(self.q) if r != self.rank]
         pending: collections.deque[tuple[np.ndarray, queue.SimpleQueue[np.ndarray]]] = collections.deque()
-        issued = done = acked = 0
+        issued = done = 0
         held: np.ndarray | None = None  # --piggyback: the last step's (ϑ, i), waiting for a request
         while done < n_steps:
             while issued < n_steps and len(pending) < self.inflight and self._may_start(issued, deadline):
@@ -435,9 +512,8 @@ class DataPlane:
             step_rows, slot = pending.popleft()
             thetas = np.asarray(party.problem.theta(slot.get(), party.y[step_rows]), dtype=np.float64)
             if self.dispatch:
-                if self.synchronous:
-                    self.max_unacked = max(self.max_unacked,
-                                           done - (acked + self.acks.qsize()) // max(len(others), 1))
+                if self.synchronous and others:
+                    self.max_unacked = max(self.max_unacked, self.sent - int(self.acked[others].min()))
                 held = self._dispatch(step_rows, thetas, others)
             started = time.perf_counter()
             party.rule.apply(party.w, step_rows, self._clipped(step_rows, thetas), writer=0)
@@ -445,13 +521,20 @@ class DataPlane:
                 party.rule.apply_noise(party.w, self._own_noise.normal(0.0, self._noise_std, party.w.size))
             self._straggle(started)
             if self.synchronous and self.dispatch:
-                for _ in others:
-                    self.acks.get()
-                    acked += 1
+                self._await_acks(others)
             done += 1
         if held is not None:
             self._broadcast_theta(held, others)
         return done
+
+    def _await_acks(self, others: list[int]) -> None:
+        """Sync modes: every other party has acknowledged every (ϑ, i) sent so far. A party's worker may
+        be behind another dominator's stream first: level 1."""
+        since = time.monotonic()
+        with self.acked_cond:
+            while (late := [p for p in others if self.acked[p] < self.sent]):
+                self.liveness.check(late, since, f"its acknowledgement of (ϑ, i) #{self.sent - 1}", level=1)
+                self.acked_cond.wait(TICK)
 
     def _dispatch(self, rows: np.ndarray, thetas: np.ndarray, others: list[int]) -> np.ndarray | None:
         """Step ``sent``'s (ϑ, i) to every other party (passive ones get it encrypted under ``--label-privacy
@@ -489,7 +572,7 @@ class DataPlane:
     def finish_segment(self) -> None:
         """Tell every other party that this dominator is done with the segment, and how many (ϑ, i)
         it has broadcast so far (they wait for exactly that many before the barrier)."""
-        buf = np.array([self.sent], dtype=np.int64)
+        buf = np.array([self.segment + 1, self.sent], dtype=np.int64)
         for dest in range(self.q):
             if dest != self.rank:
                 self.transport.send(dest, buf, TAG_DONE)
@@ -500,10 +583,15 @@ class DataPlane:
         the waiting main thread costs no CPU while the segment runs."""
         self.segment += 1
         others = [r for r in self.active_ranks if r != self.rank]
+        since, level = time.monotonic(), self.liveness.segment_level
         with self.applied_cond:
-            self.applied_cond.wait_for(lambda: all(
-                self.done_segments[r] >= self.segment and self.applied[r] >= self.done_sent[r]
-                for r in others))
-        self.transport.flush()
+            while not all(self.done_segments[r] >= self.segment and self.applied[r] >= self.done_sent[r]
+                          for r in others):
+                # a dominator still in its segment delivers (ϑ, i) and requests: silence is the stall
+                self.liveness.check([r for r in others if self.done_segments[r] < self.segment], since,
+                                    f"its DONE of segment {self.segment}", level)
+                self.applied_cond.wait(TICK)
+            self._drained = self.segment  # the next segment's DONE may come from now on
+        self.transport.flush(self.liveness.exchange_level)
         self.control.barrier()
         self.party.rule.synchronize(self.party.w)  # nothing writes now: bring every coordinate up to date

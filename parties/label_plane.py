@@ -23,6 +23,9 @@ from protocols import label_he
 from protocols.errors import ProtocolViolation
 from vertical.label_privacy import clip_scales, row_norm_bound
 
+#: Longest a worker waiting for a decryption sleeps before it looks at its deadline again (seconds).
+REPLY_TICK = 0.05
+
 
 class PassBatches:
     """A dominator's batches under ``--label-privacy he --epsilon``: pass e is one permutation of the n
@@ -155,12 +158,22 @@ class LabelPlane:
         gradient to the dominator, the decryption back, the mask off (a worker thread)."""
         gradients = self.gradients[source]
         transport.send(source, label_he.pack_bytes(seq, gradients.masked(payload, rows)), TAG_HE_MASKED)
-        reply = self.replies[source].get()
+        reply = self._reply(source, seq)
         if reply.size < 1 or int(reply[0]) != seq:
             raise ProtocolViolation(source, "decrypted gradient", f"is not the answer for batch #{seq}")
         gradient = gradients.unmask(reply[1:])
         self.audit.record(source, AUDIT_HE_GRADIENT, gradient)
         return gradient
+
+    def _reply(self, source: int, seq: int) -> np.ndarray:
+        """Dominator ``source``'s decryption for batch ``seq`` (its communication thread answers at
+        once: level 0 of the deadlines, protocols/liveness.py)."""
+        liveness, since = self.control.liveness, self.control.liveness.clock()
+        while True:
+            try:
+                return self.replies[source].get(timeout=REPLY_TICK)
+            except queue.Empty:
+                liveness.check((source,), since, f"its decryption of batch #{seq}")
 
     # --------------------------------------------------------- the snapshot's full pass (control)
 

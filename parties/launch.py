@@ -23,6 +23,7 @@ from pathlib import Path
 
 from parties.checkpoint import MANIFEST, atomic_write, complete_epochs
 from parties.config import ConfigError, RunConfig, differing_options
+from parties.orphans import tied_command
 from parties.outcomes import EXIT_CODES, decisive_verdict, divergence_advice, find_stop, read_verdicts
 from parties.plan import LEADER_ONLY, JobPlan, csv_party_folder, job_dataset, resolve, shared_part
 from parties.resume import restored_line, resumed_plan
@@ -341,7 +342,8 @@ def run_mpi_module(ranks: int, module: str, args: list[str], *,
 
     The job's output passes through unchanged (progress bars included); the last 64 KiB of it are
     returned with the exit code to explain a failure. ``python -m mpi4py`` makes an uncaught
-    exception in any rank abort the whole job instead of hanging it. On Ctrl-C the job is stopped
+    exception in any rank abort the whole job instead of hanging it. ``mpiexec`` and the ranks die with
+    this process, however it ends (:mod:`parties.orphans`). On Ctrl-C the job is stopped
     (SIGINT to ``mpiexec``, which forwards it; SIGKILL after 10 s), the ranks' interrupted tracebacks
     are not shown, and ``KeyboardInterrupt`` propagates once the job is gone.
     """
@@ -351,7 +353,8 @@ def run_mpi_module(ranks: int, module: str, args: list[str], *,
     env = {**os.environ, **(extra_env or {})}
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # tied: if this process dies, even by SIGKILL, mpiexec does too, and with it the ranks (orphans.py)
+    proc = subprocess.Popen(tied_command(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout is not None
     tail = bytearray()
     fd = proc.stdout.fileno()

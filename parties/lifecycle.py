@@ -1,8 +1,9 @@
 """How a party's job ends on purpose, and how its threads are named and guarded.
 
-A party that finds a reason the user must read (the model diverged, a peer is silent, a peer broke
-the protocol) ends the whole job with one line the launcher repeats and an exit code of its own
-(``parties/outcomes.py``); any other exception in one of its threads ends it too, with a traceback.
+A party that finds a reason the user must read (the model diverged, a peer is silent or does not
+deliver its part in time, a peer broke the protocol) ends the whole job with one line the launcher
+repeats and an exit code of its own (``parties/outcomes.py``); any other exception in one of its
+threads ends it too, with a traceback.
 
 The line goes to the rank's standard error *and*, before the abort, to its verdict file
 (:func:`report_verdicts_to`): ``mpiexec`` kills the other ranks within milliseconds of an abort, and
@@ -27,6 +28,7 @@ from mpi4py import MPI
 
 from parties.outcomes import EXIT_CODES, STOP_LINE
 from protocols.errors import ProtocolViolation
+from protocols.liveness import PeerTimeout
 from protocols.masking import AggregationOverflowError
 
 #: Why a job stops when a score cannot be aggregated.
@@ -89,6 +91,8 @@ def guarded(comm: MPI.Comm, rank: int, body: Callable[..., None]) -> Callable[..
             body(*args)
         except AggregationOverflowError:
             stop_job(comm, rank, "diverged", OUT_OF_RANGE)
+        except PeerTimeout as exc:  # a peer that does not do its part: named, as a stop line
+            stop_job(comm, rank, "failed", str(exc))
         except ProtocolViolation as exc:  # the sender's fault, not this party's: no traceback
             end_job(comm, f"[party {rank}] {exc}", EXIT_CODES["failed"])
         except BaseException as exc:

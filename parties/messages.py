@@ -17,14 +17,27 @@ TAG_THETA = 0x7E7A
 #: --piggyback: step t's (ϑ, i) message and step t + 1's aggregation request in one buffer
 #: (protocols/dispatch.py, ``piggyback``)
 TAG_THETA_REQUEST = 0x7E7B
+#: sync modes: a collaborator's acknowledgement of one (ϑ, i), carrying its sequence number
 TAG_ACK = 0xAC4
 #: "this party sends nothing more on the data plane": the last message of every party to every party
 #: (itself included) when the runtime closes; MPI keeps one sender's messages in order, so after one
 #: from every party nothing is left in flight and the communicator can be freed
 TAG_STOP = 0x5709
+#: a dominator's end of segment: ``[segment, count]`` (int64), its segment number (1, 2, ...) and the
+#: (ϑ, i) it has broadcast in all
 TAG_DONE = 0xD0E
 TAG_HEARTBEAT = 0xBEA7
-TAG_FULL_THETA = 0xF7E7  # on the control communicator, only with sealed channels
+TAG_FULL_THETA = 0xF7E7  # on the control communicator, point to point
+#: The control plane's point-to-point exchanges (parties/control_plane.py): a barrier's token (its
+#: number), a control word from a root, one word from every party (sums, the DP setup, row norms), a
+#: sync-global agreement, a public key (its byte count first).
+TAG_BARRIER = 0xBA4
+TAG_WORD = 0xC0D
+TAG_GATHER = 0x6A7
+TAG_AGREE = 0xA64
+TAG_KEY = 0x4E4
+#: before the runtime, on the job's own communicator: the digest of a party's sample ids
+TAG_IDS = 0x1D5
 #: --label-privacy he (protocols/label_he.py): encrypted batch to a passive party, its masked encrypted
 #: gradient back to the dominator, and the dominator's decryption of it (still masked) to the party.
 TAG_HE_BATCH = 0x4E7A
@@ -67,6 +80,11 @@ CONTROL_KINDS = {
     "gather_dp_setup": "label-DP setup",
     "gather_row_norms": "row-norm bounds",
     "agree": "lockstep agreement",
+    TAG_BARRIER: "barrier token",
+    TAG_WORD: "control word",
+    TAG_GATHER: "control word",
+    TAG_AGREE: "lockstep agreement",
+    TAG_KEY: "public key",
     TAG_FULL_THETA: "full ϑ",
     TAG_HE_FULL: "encrypted full pass",
     TAG_HE_FULL_MASKED: "masked full gradient",
@@ -85,7 +103,8 @@ def check_envelope(source: int, tag: int, nbytes: int, *, rank: int, active_rank
 
     Contents are checked by their own receivers (``Inbox``, ``AggregationNode.receive``); this catches
     what they cannot: an unknown tag, a sender that may not send that kind (only dominators send ϑ and
-    DONE), and sizes that are not the kind's exact word count.
+    DONE), and sizes that are not the kind's exact word count (two for DONE, one for ACK, STOP and
+    heartbeats).
     """
     what = MESSAGE_KINDS.get(tag)
     if what is None:
@@ -97,7 +116,7 @@ def check_envelope(source: int, tag: int, nbytes: int, *, rank: int, active_rank
     elif tag == TAG_THETA_REQUEST:
         allowed, words = source != rank and source in active_ranks and not synchronous and not he, None
     elif tag == TAG_DONE:
-        allowed, words = source != rank and source in active_ranks, 1
+        allowed, words = source != rank and source in active_ranks, 2
     elif tag == TAG_ACK:
         allowed, words = source != rank and synchronous, 1
     elif tag in (TAG_STOP, TAG_HEARTBEAT):  # a second STOP from one party: DataPlane._on_stop

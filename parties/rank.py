@@ -22,11 +22,13 @@ def run_party(config: JobPlan) -> None:
 
     from parties.lifecycle import end_job, report_verdicts_to, write_verdict
     from parties.loading import load_party
+    from parties.orphans import die_with_parent
     from parties.outcomes import EXIT_CODES
     from parties.runtime import OUT_OF_RANGE, name_os_thread, stop_job
     from parties.threads import configure_rank
     from parties.training import MisalignedError, train
     from protocols.errors import ProtocolViolation
+    from protocols.liveness import PeerTimeout
     from protocols.masking import AggregationOverflowError, PrecisionWarning
 
     # A score z = Σ w_l·x_l near 0 (w starts at 0) may hold partial products below the ring's resolution
@@ -35,6 +37,7 @@ def run_party(config: JobPlan) -> None:
     # training job's output does not.
     warnings.filterwarnings("ignore", category=PrecisionWarning)
     configure_rank()  # the pools' threads: this host's share (parties/threads.py)
+    die_with_parent()  # no orphan rank if its proxy is killed (parties/orphans.py)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     name_os_thread(f"p{rank}-main")
@@ -56,6 +59,8 @@ def run_party(config: JobPlan) -> None:
         stop_job(comm, rank, "diverged", OUT_OF_RANGE)
     except MisalignedError as err:
         stop_job(comm, rank, "usage", str(err))
+    except PeerTimeout as err:  # a peer did not deliver its part of a barrier-time exchange in time
+        stop_job(comm, rank, "failed", str(err))
     except ProtocolViolation as err:  # the sender's fault (the main thread's full passes): name it
         end_job(comm, f"[party {rank}] {err}", EXIT_CODES["failed"])
     except Exception as err:  # python -m mpi4py then aborts the whole job

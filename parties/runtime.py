@@ -5,12 +5,16 @@
 * the **data plane** (``parties/data_plane.py``): the communication thread, the workers, the heartbeat
   and the dominated loop, over the data communicator and one :class:`~protocols.transport.MpiTransport`;
 * the **control plane** (``parties/control_plane.py``): every barrier-time exchange (barriers, control
-  words, the full ϑ, the keys and the label-DP setup), one named method each, on the control
-  communicator; the secure aggregation's full passes (evaluations, SVRG snapshots, the SAGA initial
+  words, the full ϑ, the keys and the label-DP setup), one named method each, point to point on the
+  control communicator; the secure aggregation's full passes (evaluations, SVRG snapshots, the SAGA initial
   pass) run beside it on a duplicate of their own;
 * the **label plane** (``parties/label_plane.py``), under ``--label-privacy he``: encrypted batches and
   the SVRG snapshot's encrypted full pass, with label DP under ``--epsilon``;
 * the **audit** recorder (``parties/audit.py``), under ``--audit``.
+
+Every wait on a peer, in every thread and plane, has a deadline (:class:`~protocols.liveness.Liveness`,
+one per party): a peer that delivers nothing the protocol expects within ``--peer-timeout`` ends the job
+named, heartbeats or not (docs/runtime.md, "Liveness").
 
 Message kinds and the data plane's envelope check are in ``parties/messages.py``, the options in
 ``parties/options.py`` (:class:`~parties.options.RuntimeOptions`). Everything a runtime duplicates is
@@ -59,6 +63,7 @@ from parties.messages import (
     check_envelope,
 )
 from parties.options import RuntimeOptions
+from protocols.liveness import STARTUP_TIMEOUT_S, Liveness
 from protocols.secure_aggregation import SecureAggregator
 from protocols.trees import build_all_tree_pairs
 from vertical.algorithms.vfb2 import Block, UpdateRule
@@ -111,13 +116,19 @@ class PartyRuntime:
         self.active_ranks = list(options.active_ranks)
         keys = options.keys
         self.audit = AuditLog(self.rank, options.audit)
-        self.control = ControlPlane(
-            comm, self.audit, lockstep_of=self.active_ranks if options.mode == "sync-global" else None,
-            theta_channels=None if keys is None else keys.channels(self.rank, b"full-theta"))
+        #: every wait on a peer has a deadline (protocols/liveness.py): the start-up's until the data
+        #: plane is up (parties load, compile and make keys at their own pace), --peer-timeout after
         pairs = build_all_tree_pairs(self.q, options.seed, allow_leaky_q2=options.allow_two_parties)
+        self.liveness = Liveness(self.rank, self.q, max(STARTUP_TIMEOUT_S, options.peer_timeout),
+                                 depth=max(max(pair.t1.depth(), pair.t2.depth()) for pair in pairs))
+        self.control = ControlPlane(
+            comm, self.audit, self.liveness,
+            lockstep_of=self.active_ranks if options.mode == "sync-global" else None,
+            theta_channels=None if keys is None else keys.channels(self.rank, b"full-theta"))
         self.aggregator = SecureAggregator.over_mpi(
             self.control.comm, tree_pairs=pairs, allow_leaky_q2=options.allow_two_parties,
-            channels=None if keys is None else keys.channels(self.rank, b"full-passes"))
+            channels=None if keys is None else keys.channels(self.rank, b"full-passes"),
+            liveness=self.liveness)
         self._aggregation_comm = self.aggregator.transport.comm  # its own duplicate, freed by its close
         self.audit.watch(self.aggregator)
         #: --label-privacy he: passive parties get ϑ only encrypted under the dominator's key
@@ -251,8 +262,7 @@ class PartyRuntime:
 
     def communicators(self) -> list[MPI.Comm]:
         """Every communicator this runtime duplicated (the leak test checks them after :meth:`close`)."""
-        comms = [self.plane.data, self.control.comm, self._aggregation_comm]
-        return comms + ([] if self.control.lockstep is None else [self.control.lockstep])
+        return [self.plane.data, self.control.comm, self._aggregation_comm]
 
 
 def _check_options(party: PartyState, options: RuntimeOptions) -> None:

@@ -30,6 +30,7 @@ from parties.checkpoint import (
     save_checkpoint,
 )
 from parties.config import RunConfig
+from parties.messages import TAG_IDS
 from parties.outcomes import Outcome, worse_than_start_warning
 from parties.plan import JobPlan, next_segment, segment_quota
 from parties.runtime import PartyRuntime, PartyState, RuntimeOptions
@@ -37,6 +38,7 @@ from parties.step import choose_gamma
 from parties.threads import configured
 from protocols.channels import ChannelKeys
 from protocols.errors import ProtocolViolation
+from protocols.liveness import STARTUP_TIMEOUT_S, Liveness, Pending
 
 LEADER = 0
 #: A loss above this multiple of the initial loss (or non-finite) means the run diverged.
@@ -94,16 +96,25 @@ class MisalignedError(ValueError):
     """The parties' rows are not the same samples in the same order."""
 
 
-def check_aligned(comm: MPI.Comm, party: PartyState) -> None:
+def check_aligned(comm: MPI.Comm, party: PartyState, timeout: float = STARTUP_TIMEOUT_S) -> None:
     """Every party's sample ids, in row order, must be the leader's (collective; digests only).
 
     Training on misaligned rows would silently fit noise, so it is refused on every rank, naming the
-    parties whose rows differ. Only 32-byte digests cross: no party learns another's ids.
+    parties whose rows differ. Only 32-byte digests cross: no party learns another's ids. Point to
+    point under a deadline (the start-up's: parties load their data at their own pace), so a party that
+    never shows up is named (protocols/liveness.py).
     """
+    rank, size = comm.Get_rank(), comm.Get_size()
     mine = np.frombuffer(party.ids_digest, dtype=np.uint8)
-    every = np.empty((comm.Get_size(), mine.size), dtype=np.uint8)
-    comm.Allgather(mine, every)
-    differ = [r for r in range(comm.Get_size()) if not np.array_equal(every[r], every[LEADER])]
+    every = np.zeros((size, mine.size), dtype=np.uint8)
+    every[rank] = mine
+    pending = Pending(comm, Liveness(rank, size, timeout), "digest of its sample ids")
+    for p in range(size):
+        if p != rank:
+            pending.recv(every[p], p, TAG_IDS)
+            pending.send(mine, p, TAG_IDS)
+    pending.wait()
+    differ = [r for r in range(size) if not np.array_equal(every[r], every[LEADER])]
     if differ:
         raise MisalignedError(f"the rows of parties {differ} are not the same samples as party {LEADER}'s "
                               "(different sample ids or order): align the files first")

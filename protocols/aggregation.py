@@ -242,6 +242,8 @@ class AggregationNode:
         self.masking = masking if masking is not None else FixedPointRing()
         self._allow_leaky_q2 = allow_leaky_q2
         self._roles = [_Role.of(pair, rank) for pair in tree_pairs]
+        #: per root, per tree, each party's subtree height (how long a wait for its sum may cascade)
+        self._heights = [(pair.t1.heights(), pair.t2.heights()) for pair in tree_pairs]
         self._validated_pairs: set[TreePair] = set(tree_pairs)
         self._keystream = Keystream()
         self._next_rid = [0] * size
@@ -427,6 +429,22 @@ class AggregationNode:
     def in_progress(self, root: int, rid: int) -> bool:
         """Whether this party still holds state for ``(root, rid)`` (not yet forwarded / completed)."""
         return (root, rid) in self._requests
+
+    def awaited(self, root: int, rid: int) -> dict[int, int]:
+        """The children whose partial sums this party still waits for in request ``(root, rid)``, each
+        with the height of its subtree in the tree it is missing from (the smaller of the two): the level
+        of a deadline on it (protocols/liveness.py). Empty when the request is not started here."""
+        state = self._requests.get((root, rid))
+        if state is None or state.role is None:
+            return {}
+        awaited: dict[int, int] = {}
+        for tree in (0, 1):
+            if state.forwarded[tree]:
+                continue
+            heights = self._heights[root][tree]
+            for child in _ranks(state.role.children[tree] & ~state.heard[tree]):
+                awaited[child] = min(awaited.get(child, heights[child]), heights[child])
+        return awaited
 
     @property
     def open_requests(self) -> int:

@@ -10,7 +10,7 @@ collaborator. MPI delivers messages between two ranks on one communicator in ord
 must see exactly the next number from each source: a repeat (duplicate, replay), a gap (lost message)
 or a number out of order is a protocol violation, raised loudly instead of silently biasing the
 iteration. The per-source counts are also what the SVRG outer-loop barrier uses to drain
-in-flight messages, so a dominator's ``DONE`` count is checked against them too (:meth:`Inbox.done`).
+in-flight messages, so a dominator's ``DONE`` count must equal them (:meth:`Inbox.done`).
 
 Piggybacking (``--piggyback``): a dominator may hold step t's broadcast back and send it inside step
 t + 1's aggregation request, which goes to every collaborator anyway: one message fewer per
@@ -165,10 +165,11 @@ class Inbox:
         self.received[source] = expected + 1
 
     def done(self, source: int, buf: np.ndarray) -> int:
-        """Validate a ``DONE`` message (one int64: how many (ϑ, i) ``source`` has sent in total).
+        """Validate a ``DONE`` count (one int64: how many (ϑ, i) ``source`` has sent in total).
 
-        The count can neither decrease nor exceed what has arrived from ``source``: MPI keeps one
-        sender's messages in order, and a dominator sends ``DONE`` after its broadcasts.
+        The count must be exactly what has arrived from ``source``: MPI keeps one sender's messages in
+        order and a dominator sends ``DONE`` after its broadcasts, so a larger count claims messages
+        never sent and a smaller one would let the receiver's drain end with broadcasts still to apply.
         """
         self._check_source(source)
         buf = np.asarray(buf)
@@ -176,14 +177,15 @@ class Inbox:
             raise DispatchError(source, "DONE message", f"expected one int64 word, got {buf.dtype} "
                                                         f"{buf.shape}")
         count = int(buf[0])
+        received = int(self.received[source])
         if count < 0:
             raise DispatchError(source, "DONE message", f"count {count} is negative")
-        if count < self.announced[source]:
-            raise DispatchError(source, "DONE message", f"count {count} is below its previous count "
-                                                        f"{self.announced[source]}")
-        if count > self.received[source]:
+        if count > received:
             raise DispatchError(source, "DONE message", f"count {count} exceeds the "
-                                                        f"{self.received[source]} (ϑ, i) messages received")
+                                                        f"{received} (ϑ, i) messages received")
+        if count < received:
+            raise DispatchError(source, "DONE message", f"count {count} is below the {received} (ϑ, i) "
+                                                        f"messages received before it")
         self.announced[source] = count
         return count
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import gmpy2
@@ -231,14 +231,27 @@ class Party:
 
     def start(self, ids: Sequence[str], domain: bytes) -> np.ndarray:
         """Hash and blind the own ids, shuffled: the list that leaves for the next party."""
-        blinded = self.key.blind(hash_to_curve(ids, domain))
+        pieces = list(self.start_chunks(ids, domain, max(len(ids), 1)))
+        return np.concatenate(pieces) if pieces else np.zeros((0, POINT), dtype=np.uint8)
+
+    def start_chunks(self, ids: Sequence[str], domain: bytes, chunk: int) -> Iterator[np.ndarray]:
+        """:meth:`start`'s list in pieces of ``chunk`` rows, each computed when it is asked for (shuffling
+        first and blinding row by row gives the same list): a party sends each piece as it is done,
+        so its successor sees it progress (protocols/liveness.py)."""
         self.rho = secure_permutation(len(ids))
-        return blinded[self.rho]
+        for begin in range(0, len(ids), chunk):
+            part = self.rho[begin:begin + chunk].tolist()
+            yield self.key.blind(hash_to_curve([ids[i] for i in part], domain))
 
     def hop(self, received: np.ndarray) -> np.ndarray:
         """Add this party's key to the list from the previous party, order kept (the owner's ``rho``
         must still map positions back to its rows)."""
         return self.key.blind(received, sender=self.prev)
+
+    def hop_chunks(self, received: np.ndarray, chunk: int) -> Iterator[np.ndarray]:
+        """:meth:`hop` in pieces of ``chunk`` rows, each computed when it is asked for."""
+        for begin in range(0, len(received), chunk):
+            yield self.hop(received[begin:begin + chunk])
 
     def finish_ring(self, fully_blinded: np.ndarray) -> np.ndarray:
         """The next party's list, now under every key: reshuffled (``sigma``) so that the leader can

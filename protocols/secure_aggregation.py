@@ -38,6 +38,11 @@ Decisions:
   indices); a bad message raises :class:`~protocols.errors.ProtocolViolation` naming the sender.
 * A party's value that cannot be encoded does not stop the protocol; the root raises
   :class:`~protocols.masking.AggregationOverflowError` instead of returning a wrong sum.
+* With a :class:`~protocols.liveness.Liveness` (the VFB² runtime passes its own) every wait has a deadline:
+  a party waits for a child's partial sum at the level of the child's subtree height, for the root's
+  ``REQUEST`` and for its receivers to take what it sent at the level of a barrier-time exchange, and a
+  peer silent past the limit raises :class:`~protocols.liveness.PeerTimeout` naming it. Without one
+  (the functional calls) the calls wait as long as it takes.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from protocols.aggregation import (
 )
 from protocols.channels import OVERHEAD_WORDS, SecureChannels
 from protocols.errors import ProtocolViolation
+from protocols.liveness import Liveness
 from protocols.masking import (
     AggregationOverflowError,
     FixedPointRing,
@@ -95,7 +101,7 @@ class SecureAggregator:
 
     def __init__(self, transport: Transport, *, seed: int = 0, masking: MaskingScheme | None = None,
                  tree_pairs: tuple[TreePair, ...] | None = None, allow_leaky_q2: bool = False,
-                 max_batch: int = DEFAULT_MAX_BATCH) -> None:
+                 max_batch: int = DEFAULT_MAX_BATCH, liveness: Liveness | None = None) -> None:
         size = transport.size
         if size < 2:
             raise ValueError(f"secure aggregation needs at least 2 parties, the communicator has {size}")
@@ -106,19 +112,22 @@ class SecureAggregator:
                                     allow_leaky_q2=allow_leaky_q2, max_batch=max_batch)
         self._announced: dict[tuple[int, int], Requested] = {}
         self._owned_comm: MPI.Comm | None = None
+        self.liveness = liveness
 
     @classmethod
     def over_mpi(cls, comm: MPI.Comm, *, channels: SecureChannels | None = None,
-                 **options: Any) -> SecureAggregator:
+                 liveness: Liveness | None = None, **options: Any) -> SecureAggregator:
         """An aggregator on a duplicate of ``comm`` (collective); :meth:`close` frees the duplicate.
 
-        With ``channels`` every message travels sealed (authenticated encryption between parties).
+        With ``channels`` every message travels sealed (authenticated encryption between parties); with
+        ``liveness`` every wait has a deadline (module docstring).
         """
-        own = comm.Dup()
+        own = comm.Dup() if liveness is None else liveness.dup(comm, "the set-up of the full passes")
         max_batch = options.get("max_batch", DEFAULT_MAX_BATCH)
         extra = 0 if channels is None else OVERHEAD_WORDS
-        transport = MpiTransport(own, max_message_words=HEADER_WORDS + max_batch + extra, channels=channels)
-        aggregator = cls(transport, **options)
+        transport = MpiTransport(own, max_message_words=HEADER_WORDS + max_batch + extra, channels=channels,
+                                 liveness=liveness)
+        aggregator = cls(transport, liveness=liveness, **options)
         aggregator._owned_comm = own
         return aggregator
 
@@ -169,7 +178,7 @@ class SecureAggregator:
     def close(self) -> None:
         """Free the duplicated communicator of :meth:`over_mpi` (collective)."""
         if self._owned_comm is not None:
-            self.transport.flush()
+            self._flush()
             self._owned_comm.Free()
             self._owned_comm = None
 
@@ -184,19 +193,42 @@ class SecureAggregator:
     def _drive(self, root: int, rid: int, first: Step) -> NDArray[np.float64] | None:
         """Serve messages until this party's part of ``(root, rid)`` is done; the root's result."""
         result = self._perform(first, root, rid)
+        wait = self._deadline(lambda: self.node.awaited(root, rid),
+                              f"its partial sum of request ({root}, {rid})")
         while self.node.in_progress(root, rid):
-            source, buffer = self.transport.recv()
+            source, buffer = self._recv(wait)
             outcome = self._perform(self.node.receive(source, buffer), root, rid)
             if outcome is not None:
                 result = outcome
-        self.transport.flush()
+        self._flush()
         return result
 
     def _await_announcement(self, root: int, rid: int) -> Requested:
+        level = 0 if self.liveness is None else self.liveness.exchange_level
+        wait = self._deadline(lambda: {root: level}, f"its REQUEST of a full pass ({root}, {rid})")
         while (root, rid) not in self._announced:
-            source, buffer = self.transport.recv()
+            source, buffer = self._recv(wait)
             self._perform(self.node.receive(source, buffer), root, rid)
         return self._announced.pop((root, rid))
+
+    def _deadline(self, owed, what: str):
+        """The ``wait`` of a polling receive: raises PeerTimeout once a peer of ``owed()`` (peer → level)
+        has been silent past its limit since now; None (block) without a liveness."""
+        liveness = self.liveness
+        if liveness is None:
+            return None
+        since = liveness.clock()
+        return lambda: liveness.check(owed(), since, what)
+
+    def _recv(self, wait):
+        return self.transport.recv() if wait is None else self.transport.recv(wait)
+
+    def _flush(self) -> None:
+        """Every send complete; a receiver that does not take its message waits at the exchange level."""
+        if self.liveness is None:
+            self.transport.flush()
+        else:
+            self.transport.flush(self.liveness.exchange_level)
 
     def _perform(self, step: Step, root: int, rid: int) -> NDArray[np.float64] | None:
         for message in step.outgoing:

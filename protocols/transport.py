@@ -29,6 +29,13 @@ receiver takes with an exact-size blocking ``Recv`` from the frame's source. Eve
 whole number of 8-byte words, so a 4-byte message can only be a frame, and MPI keeps the messages from one
 sender on one tag in order, so the k-th frame from a rank announces its k-th payload.
 
+With ``liveness`` (:class:`~protocols.liveness.Liveness`) the transport counts every message it receives
+as its sender's delivery (except those on ``silent_tags``: heartbeats), receives a frame's payload by
+polling under a deadline (a frame whose payload never comes ends the wait naming its sender), and
+``recv(wait=...)``, ``recv_any(wait=...)`` and ``flush(level=...)`` poll as well, calling ``wait`` between
+polls so that the caller's deadline can fire; without them they block in MPI as before (the data
+plane's communication thread, whose speed depends on it).
+
 A frame's length comes from another party, so it is checked before anything is allocated: it must exceed
 the capacity (shorter messages are never framed) and must not exceed ``max_message_words``, the largest
 message the protocol above can legitimately send (by default a header plus
@@ -56,10 +63,12 @@ from mpi4py import MPI
 
 from protocols.aggregation import DEFAULT_MAX_BATCH, HEADER_WORDS
 from protocols.errors import ProtocolViolation
+from protocols.liveness import Backoff
 from protocols.masking import Words
 
 if TYPE_CHECKING:
     from protocols.channels import SecureChannels
+    from protocols.liveness import Liveness
 
 __all__ = [
     "AGGREGATION_TAG",
@@ -110,7 +119,8 @@ class MpiTransport:
     def __init__(self, comm: MPI.Comm, tag: int = AGGREGATION_TAG, *,
                  capacity_words: int = DEFAULT_CAPACITY_WORDS,
                  max_message_words: int = DEFAULT_MAX_MESSAGE_WORDS,
-                 channels: SecureChannels | None = None, kinds: Mapping[int, str] | None = None) -> None:
+                 channels: SecureChannels | None = None, kinds: Mapping[int, str] | None = None,
+                 liveness: Liveness | None = None, silent_tags: frozenset[int] = frozenset()) -> None:
         tag_limit = comm.Get_attr(MPI.TAG_UB)
         if not 0 <= tag < tag_limit:
             raise ValueError(f"tag must be in 0..{tag_limit - 1} (tag + 1 is used too), got {tag}")
@@ -129,7 +139,9 @@ class MpiTransport:
         self._inbox = np.empty(capacity_words, dtype=np.uint64)
         self._inbox_spec = [self._inbox, MPI.BYTE]
         self._status = MPI.Status()
-        self._in_flight: list[tuple[MPI.Request, np.ndarray]] = []
+        self._in_flight: list[tuple[MPI.Request, np.ndarray, int]] = []
+        self.liveness = liveness
+        self._silent_tags = silent_tags
         #: held while a message is sealed and handed to MPI: sends from several threads keep one
         #: order per link, which sealed links' counters need
         self.send_lock = threading.Lock()
@@ -154,26 +166,29 @@ class MpiTransport:
                     raise ValueError(f"a message of {buffer.size} words is too long to frame (at most "
                                      f"2**32 - 1)")
                 frame = np.array([buffer.size], dtype=np.uint32)
-                self._track(self.comm.Isend([frame, MPI.BYTE], dest=dest, tag=tag), frame)
-                self._track(self.comm.Isend([buffer, MPI.BYTE], dest=dest, tag=tag + 1), buffer)
+                self._track(self.comm.Isend([frame, MPI.BYTE], dest=dest, tag=tag), frame, dest)
+                self._track(self.comm.Isend([buffer, MPI.BYTE], dest=dest, tag=tag + 1), buffer, dest)
             else:
-                self._track(self.comm.Isend([buffer, MPI.BYTE], dest=dest, tag=tag), buffer)
+                self._track(self.comm.Isend([buffer, MPI.BYTE], dest=dest, tag=tag), buffer, dest)
 
-    def recv(self) -> tuple[int, Words]:
+    def recv(self, wait: Callable[[], None] | None = None) -> tuple[int, Words]:
         """The next message on this transport's tag: ``(source, words)``; a malformed one raises
-        ``ProtocolViolation(source)``."""
-        source, _, words = self._next(self.tag)
+        ``ProtocolViolation(source)``. With ``wait``, polls and calls it between polls (it raises to
+        give up, e.g. :class:`~protocols.liveness.PeerTimeout`)."""
+        source, _, words = self._next(self.tag, wait)
         return source, words
 
-    def recv_any(self) -> tuple[int, int, Words]:
+    def recv_any(self, wait: Callable[[], None] | None = None) -> tuple[int, int, Words]:
         """The next message on any tag: ``(source, tag, words)`` (a framed payload is collected from
-        ``tag + 1`` of its frame's tag)."""
-        return self._next(MPI.ANY_TAG)
+        ``tag + 1`` of its frame's tag); ``wait`` as for :meth:`recv`."""
+        return self._next(MPI.ANY_TAG, wait)
 
-    def _next(self, tag: int) -> tuple[int, int, Words]:
+    def _next(self, tag: int, wait: Callable[[], None] | None = None) -> tuple[int, int, Words]:
         status = self._status
-        self._receive(self._inbox_spec, MPI.ANY_SOURCE, tag, status)
+        self._receive(self._inbox_spec, MPI.ANY_SOURCE, tag, status, wait=wait)
         source, tag, nbytes = status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+        if self.liveness is not None and tag not in self._silent_tags:
+            self.liveness.delivered(source)
         what = self.kinds.get(tag, "message")
         if nbytes != self._FRAME_BYTES:
             if nbytes == 0 or nbytes % 8:
@@ -189,7 +204,13 @@ class MpiTransport:
                                                      f"more than {self.capacity_words} (else it is sent "
                                                      f"whole) and at most {self.max_message_words}")
         buffer = np.empty(words, dtype=np.uint64)
-        self._receive([buffer, MPI.BYTE], source, tag + 1, status, "framed payload")
+        payload_wait = None
+        if self.liveness is not None:  # the frame's sender owes its payload now: a deadline, level 0
+            since, liveness = self.liveness.clock(), self.liveness
+
+            def payload_wait() -> None:
+                liveness.check((source,), since, "the payload of its frame")
+        self._receive([buffer, MPI.BYTE], source, tag + 1, status, "framed payload", wait=payload_wait)
         if status.Get_count(MPI.BYTE) != buffer.nbytes:
             raise ProtocolViolation(source, "framed payload", f"{status.Get_count(MPI.BYTE)} bytes where its "
                                                               f"frame announced {buffer.nbytes}")
@@ -200,11 +221,19 @@ class MpiTransport:
             return words
         return self.channels.open(source, tag, words)
 
-    def _receive(self, spec: list, source: int, tag: int, status: MPI.Status, what: str | None = None
-                 ) -> None:
-        """A blocking ``Recv``; a message longer than the buffer is the sender's fault, and says so."""
+    def _receive(self, spec: list, source: int, tag: int, status: MPI.Status, what: str | None = None, *,
+                 wait: Callable[[], None] | None = None) -> None:
+        """A blocking ``Recv``, or with ``wait`` an ``Irecv`` polled with ``wait()`` between polls; a
+        message longer than the buffer is the sender's fault, and says so."""
         try:
-            self.comm.Recv(spec, source, tag, status)
+            if wait is None:
+                self.comm.Recv(spec, source, tag, status)
+            else:
+                request = self.comm.Irecv(spec, source, tag)
+                backoff = Backoff()
+                while not request.Test(status):
+                    wait()
+                    backoff.sleep()
         except MPI.Exception as error:
             if error.Get_error_class() != MPI.ERR_TRUNCATE:
                 raise
@@ -212,18 +241,31 @@ class MpiTransport:
             raise ProtocolViolation(status.Get_source(), what, f"longer than the {spec[0].nbytes} bytes "
                                                                f"expected") from None
 
-    def flush(self) -> None:
-        """Wait until every send issued so far has completed."""
+    def flush(self, level: int | None = None) -> None:
+        """Wait until every send issued so far has completed. With ``liveness`` and a ``level``, polls:
+        a receiver that does not take its message in time ends the wait (its deadline at ``level``)."""
         with self.send_lock:
             in_flight, self._in_flight = self._in_flight, []
-        if in_flight:
-            MPI.Request.Waitall([r for r, _ in in_flight])
+        if not in_flight:
+            return
+        if self.liveness is None or level is None:
+            MPI.Request.Waitall([r for r, _, _ in in_flight])
+            return
+        open_ = in_flight
 
-    def _track(self, request: MPI.Request, buffer: np.ndarray) -> None:
+        def done() -> bool:
+            nonlocal open_
+            open_ = [item for item in open_ if not item[0].Test()]
+            return not open_
+
+        self.liveness.wait(done, lambda: {dest: level for _, _, dest in open_},
+                           "it to take the messages sent to it")
+
+    def _track(self, request: MPI.Request, buffer: np.ndarray, dest: int) -> None:
         """Keep ``buffer`` alive until its send completes; drop completed sends now and then."""
-        self._in_flight.append((request, buffer))
+        self._in_flight.append((request, buffer, dest))
         if len(self._in_flight) >= self._PRUNE_EVERY:
-            self._in_flight = [(r, b) for r, b in self._in_flight if not r.Test()]
+            self._in_flight = [item for item in self._in_flight if not item[0].Test()]
 
 
 class InProcessNetwork:
@@ -292,13 +334,14 @@ class RecordingTransport:
     def send(self, dest: int, buffer: Words) -> None:
         self.inner.send(dest, buffer)
 
-    def recv(self) -> tuple[int, Words]:
-        source, buffer = self.inner.recv()
+    def recv(self, *wait) -> tuple[int, Words]:
+        """The inner transport's next message (``wait`` passed on, for a polling one), recorded."""
+        source, buffer = self.inner.recv(*wait)
         self.received.append((source, buffer.copy()))  # the receiver sums into its buffer in place
         return source, buffer
 
-    def flush(self) -> None:
-        self.inner.flush()
+    def flush(self, *level) -> None:
+        self.inner.flush(*level)
 
 
 def run_parties(size: int, party: Callable[[InProcessTransport], _T], *,

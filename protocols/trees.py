@@ -108,6 +108,14 @@ class Tree:
         """The parties whose values party ``v`` forwards: ``v`` and all its descendants."""
         return frozenset(_bits(self._subtree_masks[v]))
 
+    def heights(self) -> tuple[int, ...]:
+        """Per party, the height of its subtree (0 for a leaf): how many hops of waiting can lie below it
+        (a parent waiting for a child's sum staggers its deadline by it, protocols/liveness.py)."""
+        heights = [0] * self.size
+        for v in reversed(_top_down_order(self.root, self.children)):
+            heights[v] = max((heights[c] + 1 for c in self.children[v]), default=0)
+        return tuple(heights)
+
     def depth(self) -> int:
         """Longest path from a party to the root, in hops (the critical path of one aggregation)."""
         depths = [0] * self.size

@@ -125,7 +125,9 @@ def test_sequence_numbers_are_exactly_once_duplicates_gaps_and_reordering_are_re
         inbox.unpack(0, _message(seq=0))
 
 
-def test_done_counts_are_non_negative_non_decreasing_and_at_most_what_arrived() -> None:
+def test_a_done_count_must_be_exactly_what_arrived() -> None:
+    """MPI keeps one sender's messages in order and DONE follows the broadcasts: a count above what
+    arrived claims messages never sent, one below would end the receiver's drain early."""
     inbox = Inbox(2, n_rows=N_ROWS)
     for seq in range(4):
         inbox.unpack(1, _message(seq=seq))
@@ -136,9 +138,8 @@ def test_done_counts_are_non_negative_non_decreasing_and_at_most_what_arrived() 
         inbox.done(1, np.array([5]))
     with pytest.raises(DispatchError, match=done + "expected one int64 word"):
         inbox.done(1, np.array([1, 2]))
-    assert inbox.done(1, np.array([3])) == 3
-    with pytest.raises(DispatchError, match=done + "count 2 is below its previous count 3"):
-        inbox.done(1, np.array([2]))
+    with pytest.raises(DispatchError, match=done + r"count 3 is below the 4 \(ϑ, i\) messages received"):
+        inbox.done(1, np.array([3]))
     assert inbox.done(1, np.array([4])) == 4
     assert inbox.done(1, np.array([4])) == 4  # a segment with no new update
 
@@ -150,10 +151,10 @@ def test_done_counts_are_non_negative_non_decreasing_and_at_most_what_arrived() 
     (1, 0x1234, 8, "message: unknown tag 0x1234"),
     (2, TAG_THETA, 32, "(ϑ, i) message: party 2 may not send it"),  # a passive party
     (0, TAG_THETA, 32, "(ϑ, i) message: party 0 may not send it"),  # itself
-    (2, TAG_DONE, 8, "DONE message: party 2 may not send it"),
+    (2, TAG_DONE, 16, "DONE message: party 2 may not send it"),
     (1, TAG_STOP, 16, "STOP message: 2 words, expected 1"),
     (1, TAG_ACK, 8, "ACK message: party 1 may not send it"),  # not in synchronous mode
-    (1, TAG_DONE, 16, "DONE message: 2 words, expected 1"),
+    (1, TAG_DONE, 8, "DONE message: 1 words, expected 2"),
     (1, TAG_THETA, 12, "(ϑ, i) message: 12 bytes is not a whole"),
     (1, AGGREGATION_TAG, 0, "aggregation message: 0 bytes"),
     (2, TAG_THETA_REQUEST, 80, "piggybacked (ϑ, i) message: party 2 may not send it"),  # a passive party
@@ -164,7 +165,7 @@ def test_the_runtime_envelope_check(source: int, tag: int, nbytes: int, detail: 
 
 
 def test_the_runtime_envelope_check_lets_the_protocol_through() -> None:
-    allowed = ((1, TAG_THETA, 32), (1, TAG_DONE, 8), (0, TAG_STOP, 8), (2, TAG_STOP, 8),
+    allowed = ((1, TAG_THETA, 32), (1, TAG_DONE, 16), (0, TAG_STOP, 8), (2, TAG_STOP, 8),
                (2, AGGREGATION_TAG, 40))
     for source, tag, nbytes in allowed:
         check_envelope(source, tag, nbytes, rank=0, active_ranks=[0, 1], synchronous=False)
@@ -349,7 +350,7 @@ def _crafted(messages: list[tuple[np.ndarray, int]], **options) -> MpiTransport:
     comm = MPI.COMM_SELF.Dup()
     transport = MpiTransport(comm, capacity_words=8, **options)
     for buffer, offset in messages:
-        transport._track(comm.Isend([buffer, MPI.BYTE], 0, transport.tag + offset), buffer)
+        transport._track(comm.Isend([buffer, MPI.BYTE], 0, transport.tag + offset), buffer, 0)
     return transport
 
 
@@ -510,7 +511,7 @@ def test_one_transport_multiplexes_tags_in_order_and_names_each_kind() -> None:
         transport.send(0, np.arange(2, dtype=np.uint64))  # on its own tag
         assert transport.recv()[1].tolist() == [0, 1]
         bad = np.zeros(3, np.uint8)
-        transport._track(comm.Isend([bad, MPI.BYTE], 0, 7), bad)
+        transport._track(comm.Isend([bad, MPI.BYTE], 0, 7), bad, 0)
         with pytest.raises(ProtocolViolation, match=r"^party 0 sent an invalid \(ϑ, i\) message: 3 bytes"):
             transport.recv_any()
     finally:

@@ -319,19 +319,6 @@ def test_an_id_past_64_bits_is_one_line_naming_the_line(tmp_path: Path) -> None:
         load_party_file(path)
 
 
-class _Announcing:
-    """A communicator whose peers announce the given set sizes (what ``Allgather`` would deliver)."""
-
-    def __init__(self, sizes: list[int]) -> None:
-        self.sizes = sizes
-
-    def Get_size(self) -> int:
-        return len(self.sizes)
-
-    def Allgather(self, mine: np.ndarray, every: np.ndarray) -> None:
-        every[:] = self.sizes
-
-
 @pytest.mark.parametrize("announced", [2**31 - 1, 50_000_001, 0, -1])
 def test_a_set_size_past_the_maximum_is_refused_before_any_allocation(announced: int) -> None:
     """A peer announcing 2^31 − 1 ids would make every party allocate 64 GiB for its list: the size
@@ -339,5 +326,5 @@ def test_a_set_size_past_the_maximum_is_refused_before_any_allocation(announced:
     from parties import align
 
     with pytest.raises(psi.PsiError, match=rf"party 2 sent an invalid set size: {announced}"):
-        align._announce_sizes(_Announcing([10, 10, announced]), 10)
-    assert align._announce_sizes(_Announcing([10, align.MAX_IDS]), 10) == [10, align.MAX_IDS]
+        align.check_sizes([10, 10, announced])
+    assert align.check_sizes([10, align.MAX_IDS]) == [10, align.MAX_IDS]

@@ -101,7 +101,7 @@ def test_messages_carry_only_what_the_protocol_allows(svrg_run):
     """VFB² never sends x, w_l, y_i or gradients: the hot path carries sample indices, masked tree sums
     and (ϑ, i), nothing that could hold a label vector or a feature row (a few words each for B = 1)."""
     y = load("breast-cancer", seed=0).y_train
-    allowed = {(AGGREGATION_TAG, HEADER_WORDS + 1), (TAG_THETA, 4), (TAG_DONE, 1), (TAG_STOP, 1),
+    allowed = {(AGGREGATION_TAG, HEADER_WORDS + 1), (TAG_THETA, 4), (TAG_DONE, 2), (TAG_STOP, 1),
                (TAG_HEARTBEAT, 1)}
     top_bytes = []
     for rank in range(3):

@@ -198,7 +198,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 def _cmd_align(args: argparse.Namespace) -> int:
     from parties.align import launch_alignment
 
-    return launch_alignment(args.parties, args.ids, args.id_column, args.out)
+    return launch_alignment(args.parties, args.ids, args.id_column, args.out, args.peer_timeout)
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from vfl.plotting import plot_runs
@@ -308,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one CSV file per party in rank order, or one folder of q .csv files")
     p.add_argument("--id-column", default="id", help="the column holding the ids")
     p.add_argument("--out", required=True, help="folder for party-<p>.csv, the aligned files")
+    p.add_argument("--peer-timeout", type=float, default=30.0,
+                   help="seconds a party waits for a peer that delivers nothing (default 30)")
     p.set_defaults(func=_cmd_align)
 
     p = sub.add_parser("plot", help="plot loss, sub-optimality and test metric of runs; write metrics.csv")
