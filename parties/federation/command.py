@@ -174,25 +174,59 @@ def _text(value: Any) -> str:
 
 def run_command(args: argparse.Namespace, argv: list[str]) -> int:
     """``vfl party``: the checks, then this party under its own ``mpiexec -n 1``; the exit code."""
-    from parties.launch import run_mpi_module
     from parties.netns import TCP_TRANSPORT
     from parties.outcomes import EXIT_CODES, find_stop
 
     checked(args)
     env = {} if "MPIR_CVAR_CH4_NETMOD" in os.environ else dict(TCP_TRANSPORT)
     try:
-        code, output = run_mpi_module(1, "parties.federation.member", argv, extra_env=env, echo=True)
+        code, errors = run_member(argv, env)
     except KeyboardInterrupt:
         print(f"vfl party {args.name}: interrupted; this party's checkpoints are in {args.folder} "
               "(--resume continues from the newest epoch every party completed)", file=sys.stderr)
         return EXIT_CODES["interrupted"]
     if code == 0:
         return 0
-    stopped = find_stop(output)
+    stopped = find_stop(errors)
     if stopped is not None:
         return EXIT_CODES[stopped[0]]
-    if f"vfl party {args.name}:" not in output and "[party " not in output:
+    if f"vfl party {args.name}:" not in errors and "[party " not in errors:
         print(f"vfl party {args.name}: the job ended (exit code {code}) without a word from this party: "
               "another party ended it (its log says why), or this process was killed; this party's "
               f"checkpoints are in {args.folder}", file=sys.stderr)
     return code if code in EXIT_CODES.values() else EXIT_CODES["failed"]
+
+
+def run_member(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """``mpiexec -n 1 python -m mpi4py -m parties.federation.member argv``: its standard output passes
+    through, its standard error too and the last 64 KiB of it come back with the exit code (for the
+    stop line of :func:`parties.outcomes.find_stop`). On Ctrl-C the party is stopped (SIGINT, then
+    SIGKILL after 10 s) and KeyboardInterrupt propagates."""
+    import signal
+    import subprocess
+
+    from parties.launch import mpiexec_path
+
+    module = "parties.federation.member"
+    cmd = [mpiexec_path(), "-n", "1", sys.executable, "-m", "mpi4py", "-m", module, *argv]
+    full = {**os.environ, **env}
+    root = str(Path(__file__).resolve().parents[2])
+    full["PYTHONPATH"] = root + (os.pathsep + full["PYTHONPATH"] if full.get("PYTHONPATH") else "")
+    proc = subprocess.Popen(cmd, env=full, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    tail = bytearray()
+    try:
+        while chunk := os.read(proc.stderr.fileno(), 65536):
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.buffer.flush()
+            tail += chunk
+            del tail[:-65536]
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    return proc.wait(), tail.decode(errors="replace")

@@ -268,8 +268,10 @@ def party_hello(job: Job, rank: int, private_key: bytes, *, resume: bool, deadli
         keys = derive(_agree(own, leader.public_key), _agree(ephemeral, their_ephemeral), transcript)
         proof = field(parse(recv_frame(sock)), "mac", str, hex_bytes=32)
         if not hmac.compare_digest(proof, mac(keys.leader_mac, b"leader", transcript)):
-            raise HelloRefused(f"the process at {leader.address} did not prove it holds the key the job "
-                               f"file pins for the leader {leader.name}: not joining it")
+            _refuse(sock, "keys")
+            raise HelloRefused(f"this party and the leader {leader.name} at {leader.address} do not agree on "
+                               f"keys: {me.name}'s key (--key) is not the one the leader pins for it, or the "
+                               f"process there does not hold the key pinned for {leader.name}; not joining")
         send_frame(sock, json.dumps({"mac": mac(keys.party_mac, b"party", transcript).hex()}).encode())
     except FrameError as err:
         sock.close()
@@ -358,7 +360,13 @@ def leader_handshake(sock: socket.socket, address: str, job: Job, private_key: b
         own = X25519PrivateKey.from_private_bytes(private_key)
         keys = derive(_agree(own, party.public_key), _agree(ephemeral, their_ephemeral), transcript)
         send_frame(sock, json.dumps({"mac": mac(keys.leader_mac, b"leader", transcript).hex()}).encode())
-        proof = field(parse(recv_frame(sock)), "mac", str, hex_bytes=32)
+        answer = parse(recv_frame(sock))
+        if "refused" in answer:  # it could not check the leader's proof: the keys do not agree
+            sock.close()
+            raise Refused(claimed, f"refused a hello from {address} claiming to be {claimed!r}: the keys do "
+                                   f"not agree (it does not hold the key pinned here for {claimed}, or does "
+                                   f"not pin {job.leader.name}'s)")
+        proof = field(answer, "mac", str, hex_bytes=32)
         if not hmac.compare_digest(proof, mac(keys.party_mac, b"party", transcript)):
             _refuse(sock, "authentication failed")
             raise Refused(claimed, f"refused a hello from {address} claiming to be {claimed!r}: it does not "
