@@ -198,7 +198,8 @@ def test_three_organisations_train_the_same_model_as_one_mpiexec(split, hosts, t
         pid, _event, path = line.split(" ", 2)
         touched.setdefault(pid, set()).add(path)
     for org in orgs:  # the command and its party process, for each organisation: the log saw them
-        inside = [pid for pid, paths in touched.items() if any(p.startswith(f"{org.root}{os.sep}") for p in paths)]
+        root = f"{org.root}{os.sep}"
+        inside = [pid for pid, paths in touched.items() if any(p.startswith(root) for p in paths)]
         assert len(inside) >= 2, f"{org.name}: {inside}"
     for paths in touched.values():
         mine = {o.name for o in orgs if any(p.startswith(str(o.root) + os.sep) for p in paths)}
