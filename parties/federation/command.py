@@ -173,17 +173,35 @@ def _text(value: Any) -> str:
 
 
 def run_command(args: argparse.Namespace, argv: list[str]) -> int:
-    """``vfl party``: the checks, then this party under its own ``mpiexec -n 1``; the exit code."""
+    """``vfl party``: the checks, then this party under its own ``mpiexec -n 1``; exits with its code.
+
+    Once the party has run, this process leaves at once (``os._exit``): the checks imported the
+    training stack (numba, scipy), whose teardown kept the command alive 5-10 s after the run on a
+    loaded machine, and nothing of this process is left to flush but its two streams."""
     from parties.netns import TCP_TRANSPORT
-    from parties.outcomes import EXIT_CODES, find_stop
 
     checked(args)
     env = {} if "MPIR_CVAR_CH4_NETMOD" in os.environ else dict(TCP_TRANSPORT)
+    code = _exit_code(args, *_run(argv, env, args))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run(argv: list[str], env: dict[str, str], args: argparse.Namespace) -> tuple[int | None, str]:
     try:
-        code, errors = run_member(argv, env)
+        return run_member(argv, env)
     except KeyboardInterrupt:
         print(f"vfl party {args.name}: interrupted; this party's checkpoints are in {args.folder} "
               "(--resume continues from the newest epoch every party completed)", file=sys.stderr)
+        return None, ""
+
+
+def _exit_code(args: argparse.Namespace, code: int | None, errors: str) -> int:
+    """The member's outcome as ``vfl train``'s exit codes, with a line when it left none."""
+    from parties.outcomes import EXIT_CODES, find_stop
+
+    if code is None:
         return EXIT_CODES["interrupted"]
     if code == 0:
         return 0

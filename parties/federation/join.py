@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
@@ -51,6 +52,16 @@ JOIN_TAG = 7707
 TOKEN_BYTES = 32
 
 
+@dataclass
+class Joined:
+    """What a join gives a party: the communicator in rank order, the run's job id, and the open
+    hello sessions (the leader: every party's; a party: its one with the leader)."""
+
+    comm: MPI.Intracomm
+    job_id: bytes
+    sessions: list[Session]
+
+
 def end_now(line: str, code: int = 1) -> None:
     """Print the one line and leave at once: an MPI finalize could wait on a half-made connection."""
     print(line, file=sys.stderr, flush=True)
@@ -62,9 +73,10 @@ def end_now(line: str, code: int = 1) -> None:
 
 
 def lead(job: Job, private_key: bytes, bind: tuple[str, int], *, resume: bool, timeout: float,
-         log: Callable[[str], None], fail: Callable[[str], None] = end_now) -> tuple[MPI.Intracomm, bytes]:
-    """The leader's join: returns the joined communicator (this party rank 0) and the run's fresh job
-    id; on a failure every party in the hello gets the line, and ``fail`` is called with it."""
+         log: Callable[[str], None], fail: Callable[[str], None] = end_now) -> Joined:
+    """The leader's join: the joined communicator (this party rank 0), the run's fresh job id and the
+    parties' sessions (kept open: :mod:`parties.federation.runline`); on a failure every party in the
+    hello gets the line, and ``fail`` is called with it."""
     started = time.monotonic()
     port = MPI.Open_port()
     job_id = os.urandom(16)
@@ -94,12 +106,11 @@ def lead(job: Job, private_key: bytes, bind: tuple[str, int], *, resume: bool, t
     comm = group.Split(0, key=0)
     watchdog.stop()
     for session in sessions:
-        with contextlib.suppress(FrameError):  # it is joined: the runtime's heartbeats watch it from now on
+        with contextlib.suppress(FrameError):  # a party gone by now is the run line's to notice
             session.send({"status": "joined"})
-        session.close()
     MPI.Close_port(port)
     log(f"joined {job.options.parties} parties in {time.monotonic() - started:.2f} s")
-    return comm, job_id
+    return Joined(comm, job_id, sessions)
 
 
 def _token_ok(inter: MPI.Intercomm, expected: bytes, deadline: float) -> bool:
@@ -169,9 +180,10 @@ class _LeaderWatchdog:
 
 
 def follow(job: Job, rank: int, private_key: bytes, *, resume: bool, timeout: float,
-           log: Callable[[str], None], fail: Callable[[str], None] = end_now) -> tuple[MPI.Intracomm, bytes]:
+           log: Callable[[str], None], fail: Callable[[str], None] = end_now) -> Joined:
     """A party's join: hello, same job, its turn, ``Connect`` and the remaining rounds; returns the
-    joined communicator (this party at its job-file rank) and the run's job id."""
+    joined communicator (this party at its job-file rank), the run's job id and its session with the
+    leader (kept open: :mod:`parties.federation.runline`)."""
     leader = job.leader.name
     session = party_hello(job, rank, private_key, resume=resume, deadline=time.monotonic() + timeout)
     check_same_job(session, job, HANDSHAKE_SECONDS)
@@ -186,7 +198,7 @@ def follow(job: Job, rank: int, private_key: bytes, *, resume: bool, timeout: fl
         group = group.Accept(port, root=0).Merge(high=False)
     comm = group.Split(0, key=rank)
     watchdog.joined()
-    return comm, job_id
+    return Joined(comm, job_id, [session])
 
 
 class _PartyWatchdog:
@@ -202,7 +214,6 @@ class _PartyWatchdog:
     def joined(self) -> None:
         """Wait for the leader's "joined" (it follows the last Split at once)."""
         self._thread.join(timeout=max(0.0, self._deadline - time.monotonic()) + 1.0)
-        self._session.close()
 
     def _watch(self) -> None:
         leader = self._session.peer

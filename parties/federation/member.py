@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from parties.federation.command import add_arguments, checked, clear_folder, wri
 from parties.federation.hello import HelloRefused, JoinFailed
 from parties.federation.jobfile import Job, split_address
 from parties.federation.join import end_now
+from parties.federation.runline import LeaderLine, PartyLine
 from parties.plan import JobPlan, check_he_batch, check_he_features, noise_multiplier
 
 #: Largest run summary a party accepts from the leader.
@@ -91,20 +93,32 @@ def run(args: argparse.Namespace) -> None:
         if rank == 0:
             bind = split_address(args.listen or job.leader.address)
             say(f"leading: the hello listens on {bind[0]}:{bind[1]}")
-            comm, job_id = lead(job, private, bind, resume=args.resume, timeout=args.join_timeout, log=say,
+            joined = lead(job, private, bind, resume=args.resume, timeout=args.join_timeout, log=say,
                                 fail=lambda line: end_now(f"vfl party {name}: {line}"))
         else:
             say(f"joining the leader {job.leader.name} at {job.leader.address}")
-            comm, job_id = follow(job, rank, private, resume=args.resume, timeout=args.join_timeout, log=say,
+            joined = follow(job, rank, private, resume=args.resume, timeout=args.join_timeout, log=say,
                                   fail=lambda line: end_now(f"vfl party {name}: {line}"))
     except (HelloRefused, JoinFailed) as err:
         end_now(f"vfl party {name}: {err}")
         return
-    write_record(folder, job, rank, job_id)
-    plan = dataclasses.replace(plan, job_id=job_id.hex())
+    comm = joined.comm
+    ended = (f"this party's checkpoints are in {folder} (--resume continues from the newest epoch every "
+             "party completed)")
+
+    def end_run(line: str) -> None:
+        end_now(f"vfl party {name}: {line}; {ended}")
+
+    if rank == 0:
+        line = LeaderLine(joined.sessions, {p.name: r for r, p in enumerate(job.parties)}, end_run)
+    else:
+        line = PartyLine(joined.sessions[0], end_run)
+    write_record(folder, job, rank, joined.job_id)
+    plan = dataclasses.replace(plan, job_id=joined.job_id.hex())
     result = train_guarded(comm, party, plan, rank, abort_on_error=True)
     share_summary(comm, rank, job, plan, result, say)
     comm.Barrier()
+    line.finish()
 
 
 def share_summary(comm: Any, rank: int, job: Job, plan: JobPlan, result: Any, say: Any) -> None:
@@ -181,7 +195,14 @@ def main(argv: list[str] | None = None) -> None:
 
     warnings.filterwarnings("ignore", category=PrecisionWarning)  # as parties.rank: not the user's concern
     run(add_arguments(argparse.ArgumentParser(prog="vfl party")).parse_args(argv))
+    # Every file of the run is closed: leave without tearing the interpreter down module by module,
+    # which took 5-25 s on a loaded machine (numba, scipy) after the run was over.
+    from mpi4py import MPI
+
     sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.Finalize()
+    os._exit(0)
 
 
 if __name__ == "__main__":
