@@ -18,9 +18,11 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from parties import netns
+from parties.checkpoint import load_checkpoint
 from parties.config import ConfigError
 from parties.federation import hello
 from parties.federation.jobfile import first_difference, parse_job
@@ -253,6 +255,77 @@ def test_a_party_that_never_arrives_ends_the_join_for_everyone_naming_it(split, 
                                  "(--join-timeout)"
     assert error_line(bank).startswith("vfl party bank-b: the join ended: clinic-c did not join within 6 s")
     assert time.monotonic() - started < 150
+
+
+def _party_process(org: Org) -> int | None:
+    """The pid of the party process (under mpiexec) of an organisation, from /proc."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+            name = (entry / "comm").read_text().strip()
+        except OSError:
+            continue
+        if b"parties.federation.member" in words and str(org.run).encode() in words and \
+                name not in ("mpiexec", "hydra_pmi_proxy"):
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.mpi
+def test_a_party_killed_mid_run_ends_the_run_and_resume_continues_from_the_agreed_epoch(split, tmp_path):
+    import signal
+
+    orgs = make_orgs(tmp_path, split)
+    longer = {"epochs": 5, "batch-size": 4, "peer-timeout": 5}
+    write_jobs(orgs, f"127.0.0.1:{free_port()}", **{o.name: longer for o in orgs})
+    full = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    procs = [subprocess.Popen(o.command("--join-timeout", "60"), cwd=REPO_ROOT, env=full,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for o in orgs]
+    try:
+        manifest = orgs[0].run / "checkpoint.json"
+        deadline = time.monotonic() + 150
+        while not manifest.exists() and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(0.05)
+        assert manifest.exists(), "no epoch was marked complete"
+        victim = _party_process(orgs[2])
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        while Path(f"/proc/{victim}").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dead = time.monotonic()
+        ended = []
+        for proc in procs[:2]:
+            proc.wait(timeout=60)
+            ended.append(time.monotonic() - dead)
+        outputs = [p.communicate(timeout=30) for p in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert max(ended) < 5 + 2, f"the others took {ended} s after the party died (--peer-timeout 5)"
+    for proc, (_, err) in zip(procs[:2], outputs[:2], strict=True):
+        assert proc.returncode == 1
+        line = err.strip().splitlines()[-1]
+        assert "the run ended: clinic-c (party 2) left the run" in line, err
+    agreed = json.loads(manifest.read_text())["epochs"]
+    assert 1 <= agreed < 5
+    for org in orgs:  # every party's block of the agreed epoch is there, whole
+        with np.load(org.run / f"party-{org.rank}.ckpt.npz") as z:
+            width = z["w"].size
+        restored = load_checkpoint(org.run, org.rank, width, agreed)
+        assert restored.epochs == agreed and np.isfinite(restored.w).all()
+
+    results = run_parties([o.command("--join-timeout", "60", "--resume") for o in orgs], timeout=240)
+    for org, result in zip(orgs, results, strict=True):
+        assert result.returncode == 0, f"{org.name}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert f"resuming from epoch {agreed:g}, the newest epoch every party completed" in results[0].stdout
+    final = json.loads((orgs[0].run / "result.json").read_text())
+    assert final["epochs"] == 5
+    epochs = [json.loads(line)["epoch"] for line in (orgs[0].run / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == sorted(set(epochs)) and epochs[-1] == 5  # each epoch logged once, in order
 
 
 # ------------------------------------------------------------------------- the command's checks
