@@ -92,6 +92,7 @@ def lead(job: Job, private_key: bytes, bind: tuple[str, int], *, resume: bool, t
         server.abort_all(f"{err}")
         fail(f"the join ended: {err}")
         raise
+    helloed = time.monotonic()
     watchdog = _LeaderWatchdog(server, sessions, fail)
     group: MPI.Intracomm = MPI.COMM_SELF
     for session in sessions:
@@ -109,7 +110,9 @@ def lead(job: Job, private_key: bytes, bind: tuple[str, int], *, resume: bool, t
         with contextlib.suppress(FrameError):  # a party gone by now is the run line's to notice
             session.send({"status": "joined"})
     MPI.Close_port(port)
-    log(f"joined {job.options.parties} parties in {time.monotonic() - started:.2f} s")
+    done = time.monotonic()
+    log(f"joined {job.options.parties} parties in {done - started:.2f} s (the last hello "
+        f"{helloed - started:.2f} s after this party listened, then the MPI join {done - helloed:.2f} s)")
     return Joined(comm, job_id, sessions)
 
 
