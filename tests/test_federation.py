@@ -26,6 +26,7 @@ from parties.checkpoint import load_checkpoint
 from parties.config import ConfigError
 from parties.federation import hello
 from parties.federation.jobfile import first_difference, parse_job
+from parties.federation.leader import HelloServer, JoinFailed
 from parties.launch import write_private_key
 from protocols.channels import generate_key_pair
 from tests.conftest import REPO_ROOT
@@ -422,7 +423,7 @@ class _Leader:
         self.job = parse_job(job_text(keys, f"127.0.0.1:{free_port()}"))
         self.lines: list[str] = []
         bind = ("127.0.0.1", int(self.job.leader.address.rsplit(":", 1)[1]))
-        self.server = hello.HelloServer(self.job, self.pairs["bank-a"][0], bind, resume=False,
+        self.server = HelloServer(self.job, self.pairs["bank-a"][0], bind, resume=False,
                                         log=self.lines.append)
 
 
@@ -463,7 +464,7 @@ def test_hello_refuses_a_wrong_key_and_garbage_and_goes_on_waiting():
     wrong = generate_key_pair()[0]  # a process with another key, claiming to be bank-b
     with pytest.raises(hello.HelloRefused, match="do not agree on keys"):
         hello.party_hello(leader.job, 1, wrong, resume=False, deadline=time.monotonic() + 5)
-    with pytest.raises(hello.JoinFailed) as failed:
+    with pytest.raises(JoinFailed) as failed:
         leader.server.wait(time.monotonic() + 1.0, 1.0)
     assert "bank-b and clinic-c did not join within 1 s" in str(failed.value)
     assert "claiming to be 'bank-b'" in str(failed.value) and "keys do not agree" in str(failed.value)
@@ -479,6 +480,6 @@ def test_hello_names_the_first_differing_field_at_both_ends():
                                 deadline=time.monotonic() + 5)
     with pytest.raises(hello.HelloRefused, match=r"\[job\] seed is 7 here, 0 at bank-a"):
         hello.check_same_job(session, theirs, 5)
-    with pytest.raises(hello.JoinFailed, match=r"clinic-c runs another job than the leader bank-a: \[job\] "
+    with pytest.raises(JoinFailed, match=r"clinic-c runs another job than the leader bank-a: \[job\] "
                                                 r"seed is 7 at clinic-c, 0 at bank-a"):
         leader.server.wait(time.monotonic() + 5, 5)

@@ -34,8 +34,6 @@ from parties.federation.hello import (
     HANDSHAKE_SECONDS,
     FrameError,
     HelloRefused,
-    HelloServer,
-    JoinFailed,
     Session,
     await_turn,
     check_same_job,
@@ -44,6 +42,7 @@ from parties.federation.hello import (
     shown,
 )
 from parties.federation.jobfile import Job
+from parties.federation.leader import HelloServer, JoinFailed
 
 #: Seconds a party has to connect to the MPI port once its turn came (and the leader to accept it).
 ROUND_SECONDS = 30.0
@@ -101,8 +100,10 @@ def lead(job: Job, private_key: bytes, bind: tuple[str, int], *, resume: bool, t
         session.send({"status": "connect", "port": port, "job_id": job_id.hex()})
         inter = group.Accept(port, root=0)
         if not _token_ok(inter, session.token(port), deadline):
-            watchdog.fail_join(f"the process that connected to the MPI port in {session.peer}'s turn did not "
-                               f"prove it is {session.peer} (whose hello came from {session.address})")
+            line = (f"the process that connected to the MPI port in {session.peer}'s turn did not prove it "
+                    f"is {session.peer} (whose hello came from {session.address})")
+            watchdog.fail_join(line)
+            raise JoinFailed(line)
         group = inter.Merge(high=False)
     comm = group.Split(0, key=0)
     watchdog.stop()

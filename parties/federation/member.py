@@ -28,9 +28,10 @@ import numpy as np
 
 from parties.config import ConfigError
 from parties.federation.command import add_arguments, checked, clear_folder, write_record
-from parties.federation.hello import HelloRefused, JoinFailed
+from parties.federation.hello import HelloRefused
 from parties.federation.jobfile import Job, split_address
 from parties.federation.join import end_now
+from parties.federation.leader import JoinFailed
 from parties.federation.runline import LeaderLine, PartyLine
 from parties.plan import JobPlan, check_he_batch, check_he_features, noise_multiplier
 
