@@ -97,7 +97,12 @@ def lead(job: Job, private_key: bytes, bind: tuple[str, int], *, resume: bool, t
     for session in sessions:
         deadline = max(started + timeout, time.monotonic() + ROUND_SECONDS)
         watchdog.expect(session.peer, deadline)
-        session.send({"status": "connect", "port": port, "job_id": job_id.hex()})
+        try:
+            session.send({"status": "connect", "port": port, "job_id": job_id.hex()})
+        except FrameError:
+            line = f"{session.peer} left during the join (its hello connection closed)"
+            watchdog.fail_join(line)
+            raise JoinFailed(line) from None
         inter = group.Accept(port, root=0)
         if not _token_ok(inter, session.token(port), deadline):
             line = (f"the process that connected to the MPI port in {session.peer}'s turn did not prove it "
