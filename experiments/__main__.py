@@ -32,6 +32,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "update_cost": ("experiments.bench_update_cost", "time per update vs block width: lazy vs eager kernels"),
     "update_width": ("experiments.bench_update_width",
                      "time per dominated update in whole vfl train jobs vs block width (1e2-4e6)"),
+    "join": ("experiments.bench_join",
+             "vfl party: the join of q parties, and time per update joined vs one mpiexec (issue 27)"),
     "multihost": ("experiments.bench_multihost",
                   "parties on one host vs one network namespace each (TCP): time per update, round trip"),
     "webspam_shape": ("experiments.bench_webspam_shape",

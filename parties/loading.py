@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from pathlib import Path
 
 import numpy as np
 
@@ -27,9 +28,9 @@ def load_party(config: JobPlan, rank: int) -> PartyState:
     if config.party_files is None:
         raise ValueError("a rank reads only its own party file: the launcher writes them for a named "
                          "dataset (parties.launch.write_party_files)")
-    from vertical.datasets.party_files import find_party_file, load_party_file
+    from vertical.datasets.party_files import load_party_file
 
-    data = load_party_file(find_party_file(config.party_files, rank), expect_labels=active)
+    data = load_party_file(own_party_file(config.party_files, rank), expect_labels=active)
     X_train, X_test, y_train, y_test = data.X_train, data.X_test, data.y_train, data.y_test
     train_ids, test_ids = data.train_ids, data.test_ids
     if active and config.label_privacy == "dp":
@@ -53,6 +54,18 @@ def load_party(config: JobPlan, rank: int) -> PartyState:
         test_block=Block.from_matrix(X_test) if has_test else None,
         y_test=None if y_test is None or not has_test else np.asarray(y_test, dtype=np.float64),
         ids_digest=ids_digest(train_ids, test_ids), train_ids=train_ids, test_ids=test_ids)
+
+
+def own_party_file(path: str | Path, rank: int) -> Path:
+    """A rank's data: ``party-<rank>`` of a split folder, or a party's file or folder itself (a party
+    started on its own, ``vfl party --data``, holds only its own)."""
+    from vertical.datasets.party_files import find_party_file
+    from vertical.datasets.party_folder import is_party_folder
+
+    given = Path(path)
+    if is_party_folder(given) or (given.suffix == ".npz" and given.is_file()):
+        return given
+    return find_party_file(given, rank)
 
 
 def noisy_labels(config: JobPlan, rank: int, y: np.ndarray, ids: np.ndarray) -> np.ndarray:

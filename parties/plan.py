@@ -46,6 +46,8 @@ class JobPlan:
     noise_multiplier: float | None = None
     job_id: str | None = None
     channel_public_keys: tuple[str, ...] | None = None
+    #: this party's private channel key when it is not in its folder (``vfl party --key``)
+    channel_key_file: str | None = None
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "options":  # copy/pickle probe before __init__ ran
@@ -66,7 +68,10 @@ class JobPlan:
         return Path(self.out)
 
     def channel_key_path(self, rank: int) -> Path:
-        """Party ``rank``'s private key for ``--secure-channels``, in its own folder."""
+        """Party ``rank``'s private key for ``--secure-channels``, in its own folder (or where
+        ``vfl party --key`` says: a plan of one party, :mod:`parties.federation.member`)."""
+        if self.channel_key_file is not None:
+            return Path(self.channel_key_file)
         return self.party_folder(rank) / f"party-{rank}.channel.key"
 
     def to_json(self) -> str:
@@ -89,7 +94,8 @@ class JobPlan:
         return cls(options, out=record.get("out"), party_files=record.get("party_files"),
                    dataset=record["dataset"], f_star=record.get("f_star"),
                    noise_multiplier=record.get("noise_multiplier"), job_id=record.get("job_id"),
-                   channel_public_keys=None if keys is None else tuple(keys))
+                   channel_public_keys=None if keys is None else tuple(keys),
+                   channel_key_file=record.get("channel_key_file"))
 
 
 # ------------------------------------------------------------------------- what only the leader reads

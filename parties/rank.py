@@ -20,16 +20,12 @@ def run_party(config: JobPlan) -> None:
     """Load this rank's block and train it with the other ranks."""
     from mpi4py import MPI
 
-    from parties.lifecycle import end_job, report_verdicts_to, write_verdict
+    from parties.lifecycle import report_verdicts_to, write_verdict
     from parties.loading import load_party
     from parties.orphans import die_with_parent
-    from parties.outcomes import EXIT_CODES
-    from parties.runtime import OUT_OF_RANGE, name_os_thread, stop_job
+    from parties.runtime import name_os_thread
     from parties.threads import configure_rank
-    from parties.training import MisalignedError, train
-    from protocols.errors import ProtocolViolation
-    from protocols.liveness import PeerTimeout
-    from protocols.masking import AggregationOverflowError, PrecisionWarning
+    from protocols.masking import PrecisionWarning
 
     # A score z = Σ w_l·x_l near 0 (w starts at 0) may hold partial products below the ring's resolution
     # 2**-32; they encode as 0, an absolute error of at most q·2**-33 in z, which ϑ(z) cannot notice.
@@ -53,8 +49,26 @@ def run_party(config: JobPlan) -> None:
         write_verdict(line := f"[party {rank}] cannot load its data: {err}")
         print(line, file=sys.stderr, flush=True)
         raise
+    train_guarded(comm, party, config, rank)
+
+
+def train_guarded(comm, party, config: JobPlan, rank: int, *, abort_on_error: bool = False):
+    """:func:`parties.training.train`, ending the whole job with one line naming this party when it
+    fails; returns its result. An unexpected error is re-raised (``python -m mpi4py`` aborts the
+    world), or with ``abort_on_error`` aborts ``comm`` itself after the traceback: a communicator joined
+    from separately started parties (:mod:`parties.federation`) spans several worlds."""
+    import traceback
+
+    from parties.lifecycle import end_job, write_verdict
+    from parties.outcomes import EXIT_CODES
+    from parties.runtime import OUT_OF_RANGE, stop_job
+    from parties.training import MisalignedError, train
+    from protocols.errors import ProtocolViolation
+    from protocols.liveness import PeerTimeout
+    from protocols.masking import AggregationOverflowError
+
     try:
-        train(comm, party, config)
+        return train(comm, party, config)
     except AggregationOverflowError:
         stop_job(comm, rank, "diverged", OUT_OF_RANGE)
     except MisalignedError as err:
@@ -66,7 +80,12 @@ def run_party(config: JobPlan) -> None:
     except Exception as err:  # python -m mpi4py then aborts the whole job
         write_verdict(line := f"[party {rank}] fatal error: {err!r}")
         print(line, file=sys.stderr, flush=True)
-        raise
+        if not abort_on_error:
+            raise
+        traceback.print_exc()
+        sys.stderr.flush()
+        comm.Abort(EXIT_CODES["failed"])
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:

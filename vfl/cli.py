@@ -1,5 +1,5 @@
-"""The ``vfl`` command: ``datasets``, ``synth``, ``split``, ``align``, ``reference``, ``train``, ``predict``,
-``plot``, ``keygen``, ``hfl-train``, ``hfl-split``.
+"""The ``vfl`` command: ``datasets``, ``synth``, ``split``, ``align``, ``reference``, ``train``, ``party``,
+``predict``, ``plot``, ``keygen``, ``hfl-train``, ``hfl-split``.
 
 Each subcommand validates its options here, at the edge, and turns library errors into one readable
 line and exit code 2 (never a traceback for a user mistake). ``train`` imports ``parties`` lazily, so
@@ -173,6 +173,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return launch(from_args(args), given=given, extra_env=mpiexec_env(args))
 
 
+def _cmd_party(args: argparse.Namespace) -> int:
+    from parties.federation.command import run_command
+
+    return run_command(args, args.argv[1:])
+
+
 def _cmd_keygen(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -289,6 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     host_options(p)
     p.set_defaults(func=_cmd_train)
+
+    from parties.federation.command import add_arguments as party_options
+
+    p = sub.add_parser("party", help="start this organisation's party of a job file (no launcher, SSH or "
+                                     "shared folder; docs/deployment.md)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    party_options(p)
+    p.set_defaults(func=_cmd_party)
 
     p = sub.add_parser("keygen", help="make this party's key pair for --secure-channels")
     p.add_argument("--party-dir", required=True, help="this party's own folder (its --party-dir)")

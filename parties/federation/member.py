@@ -1,0 +1,210 @@
+"""One party of a federated job, in its own MPI world (``vfl party`` runs it under ``mpiexec -n 1``).
+
+In order: the local checks (:func:`parties.federation.command.checked`), this party's own data (loaded
+before anyone waits on it), the join (:mod:`parties.federation.join`), then the same training as
+``vfl train`` (:func:`parties.rank.train_guarded` on the joined communicator) with this party's plan:
+its data, its folder as the run folder (its block, checkpoints, audit, label-DP draw and verdict file;
+the leader's metrics, manifest and result), the channel keys pinned in the job file and the job id
+the leader drew for this run. Nothing is read from or written to any other party's folder: there is
+no shared ``config.json`` (each party builds its plan from the job file) and no pid file.
+
+At the end the leader sends every party the run's summary (a bounded JSON buffer, checked where it is
+received): the outcome, epochs and updates, and the leader's metrics unless a label-privacy mode is
+on (a loss or accuracy is computed from the labels, which those modes keep from passive parties).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parties.config import ConfigError
+from parties.federation.command import add_arguments, checked, clear_folder, write_record
+from parties.federation.hello import HelloRefused
+from parties.federation.jobfile import Job, split_address
+from parties.federation.join import end_now
+from parties.federation.leader import JoinFailed
+from parties.federation.runline import LeaderLine, PartyLine
+from parties.plan import JobPlan, check_he_batch, check_he_features, noise_multiplier
+
+#: Largest run summary a party accepts from the leader.
+SUMMARY_BYTES = 4096
+_METRICS = ("loss", "suboptimality", "test_accuracy", "test_rmse")
+_OUTCOMES = ("budget", "target", "diverged")
+
+
+def party_plan(job: Job, rank: int, args: argparse.Namespace) -> JobPlan:
+    """This party's plan: the job's options with its own data, folder and command-line choices."""
+    options = dataclasses.replace(job.options, party_files=str(args.data), out=str(args.folder),
+                                  resume=args.resume, overwrite=args.overwrite, progress=args.progress,
+                                  audit=args.audit)
+    sealed = options.secure_channels
+    return JobPlan(options, out=str(args.folder), party_files=str(args.data), dataset=Path(args.data).name,
+                   f_star=options.f_star,
+                   channel_public_keys=tuple(k.hex() for k in job.public_keys()) if sealed else None,
+                   channel_key_file=str(Path(args.key).resolve()) if sealed else None)
+
+
+def with_own_data(plan: JobPlan, party: Any, rank: int) -> JobPlan:
+    """What ``vfl train`` checks against all the data, checked here against this party's own block
+    (each passive party checks its own; together that is the same check), and the DP noise, derived
+    from the rows every party holds (the same n at all: the join checks the ids line up)."""
+    if rank >= plan.active and plan.label_privacy == "he":
+        check_he_batch(plan.options, party.block.n_cols, party.block.n_rows)
+        check_he_features(plan.options, [party.block.to_csr()])
+    return dataclasses.replace(plan, noise_multiplier=noise_multiplier(plan.options, party.block.n_rows))
+
+
+def run(args: argparse.Namespace) -> None:
+    from parties.federation.join import follow, lead
+    from parties.lifecycle import report_verdicts_to
+    from parties.loading import load_party
+    from parties.rank import train_guarded
+    from parties.runtime import name_os_thread
+
+    name = args.name
+
+    def say(line: str) -> None:
+        print(f"vfl party {name}: {line}", flush=True)
+
+    try:
+        job, rank, private = checked(args)
+        folder = Path(args.folder)
+        clear_folder(folder, resume=args.resume)
+        plan = party_plan(job, rank, args)
+        party = load_party(plan, rank)
+        plan = with_own_data(plan, party, rank)
+    except (ConfigError, ValueError, OSError) as err:
+        end_now(f"vfl party {name}: error: {err}", 2)
+        return
+    name_os_thread(f"p{rank}-main")
+    report_verdicts_to(folder / f"verdict-{rank}.txt")
+    q = job.options.parties
+    legend = ", ".join(f"{r} {p.name}" for r, p in enumerate(job.parties))
+    say(f"party {rank} of {q} ({legend}); {party.block.n_rows} rows, {party.block.n_cols} features")
+    try:
+        if rank == 0:
+            bind = split_address(args.listen or job.leader.address)
+            say(f"leading: the hello listens on {bind[0]}:{bind[1]}")
+            joined = lead(job, private, bind, resume=args.resume, timeout=args.join_timeout, log=say,
+                                fail=lambda line: end_now(f"vfl party {name}: {line}"))
+        else:
+            say(f"joining the leader {job.leader.name} at {job.leader.address}")
+            joined = follow(job, rank, private, resume=args.resume, timeout=args.join_timeout, log=say,
+                                  fail=lambda line: end_now(f"vfl party {name}: {line}"))
+    except (HelloRefused, JoinFailed) as err:
+        end_now(f"vfl party {name}: {err}")
+        return
+    comm = joined.comm
+    ended = (f"this party's checkpoints are in {folder} (--resume continues from the newest epoch every "
+             "party completed)")
+
+    def end_run(line: str) -> None:
+        end_now(f"vfl party {name}: {line}; {ended}")
+
+    if rank == 0:
+        line = LeaderLine(joined.sessions, {p.name: r for r, p in enumerate(job.parties)}, end_run)
+    else:
+        line = PartyLine(joined.sessions[0], end_run)
+    write_record(folder, job, rank, joined.job_id)
+    plan = dataclasses.replace(plan, job_id=joined.job_id.hex())
+    result = train_guarded(comm, party, plan, rank, abort_on_error=True)
+    share_summary(comm, rank, job, plan, result, say)
+    comm.Barrier()
+    line.finish()
+
+
+def share_summary(comm: Any, rank: int, job: Job, plan: JobPlan, result: Any, say: Any) -> None:
+    """The leader's summary of the run to every party (collective); each other party prints it and
+    keeps it as ``result.json`` in its own folder."""
+    from mpi4py import MPI
+
+    from protocols.errors import ProtocolViolation
+
+    data = b""
+    if rank == 0:
+        summary: dict[str, Any] = {"outcome": result.outcome.name.lower(), "epochs": result.epochs,
+                                   "updates": result.updates, "train_time": result.train_time}
+        if plan.label_privacy == "none" and result.record is not None:
+            summary["record"] = {k: v for k, v in result.record.items() if k in _METRICS}
+        data = json.dumps(summary).encode()[:SUMMARY_BYTES]
+    length = np.array([len(data)], dtype=np.int64)
+    comm.Bcast([length, MPI.INT64_T], root=0)
+    n = int(length[0])
+    if not 0 < n <= SUMMARY_BYTES:
+        raise ProtocolViolation(0, "run summary", f"{n} bytes (at most {SUMMARY_BYTES})")
+    buf = np.frombuffer(bytearray(data), dtype=np.uint8) if rank == 0 else np.empty(n, dtype=np.uint8)
+    comm.Bcast([buf, MPI.BYTE], root=0)
+    if rank == 0:
+        return
+    summary = checked_summary(buf.tobytes())
+    shown = ", ".join(f"{k} {v:.6g}" for k, v in summary.get("record", {}).items())
+    metrics = f"; {shown} (the leader {job.leader.name}'s evaluation)" if shown else ""
+    c = plan.options
+    say(f"VFB²-{c.algorithm} ({c.mode}), q={c.parties}, m={c.active}: {summary['outcome']} after "
+        f"{summary['epochs']:g} epochs, {summary['updates']} dominated updates in "
+        f"{summary['train_time']:.2f} s of training{metrics}. This party's block: "
+        f"{Path(plan.out) / f'party-{rank}.ckpt.npz'}")
+    (Path(plan.out) / "result.json").write_text(json.dumps({**summary, "from": job.leader.name}) + "\n")
+
+
+def checked_summary(data: bytes) -> dict[str, Any]:
+    """The leader's summary as received: a JSON object of known fields, finite numbers only."""
+    from protocols.errors import ProtocolViolation
+
+    def bad(detail: str) -> ProtocolViolation:
+        return ProtocolViolation(0, "run summary", detail)
+
+    try:
+        summary = json.loads(data.decode("utf-8"), parse_constant=lambda c: math.nan)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise bad("not JSON") from None
+    if not isinstance(summary, dict) or summary.get("outcome") not in _OUTCOMES:
+        raise bad("no known outcome")
+    out: dict[str, Any] = {"outcome": summary["outcome"]}
+    for key in ("epochs", "train_time"):
+        value = summary.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+            raise bad(f"{key} is not a finite count")
+        out[key] = float(value)
+    updates = summary.get("updates")
+    if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
+        raise bad("updates is not a count")
+    out["updates"] = updates
+    record = summary.get("record", {})
+    numbers = isinstance(record, dict) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in record.values())
+    if not numbers or set(record) - set(_METRICS):
+        raise bad("its metrics are not finite numbers of known names")
+    if record:
+        out["record"] = {k: float(v) for k, v in record.items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import warnings
+
+    from protocols.masking import PrecisionWarning
+
+    warnings.filterwarnings("ignore", category=PrecisionWarning)  # as parties.rank: not the user's concern
+    run(add_arguments(argparse.ArgumentParser(prog="vfl party")).parse_args(argv))
+    # Every file of the run is closed: leave without tearing the interpreter down module by module,
+    # which took 5-25 s on a loaded machine (numba, scipy) after the run was over.
+    from mpi4py import MPI
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.Finalize()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
