@@ -46,6 +46,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from parties.label_plane import HE_AHEAD
 from parties.lifecycle import guarded, stop_job
 from parties.messages import (
     MAX_MESSAGE_WORDS,
@@ -193,6 +194,8 @@ class DataPlane:
         none = np.zeros(0, dtype=np.int64)
         self.party.rule.products(self.party.w, none)
         self.party.rule.apply(self.party.w.copy(), none, np.zeros(0))
+        # every drain calls it: compiled now, or the first drain would be a silent step of seconds
+        self.party.rule.synchronize(self.party.w.copy())
 
     def stop(self) -> None:
         """End this party's threads once every party is done (call after a control-plane barrier).
@@ -540,6 +543,8 @@ class DataPlane:
         """Step ``sent``'s (ϑ, i) to every other party (passive ones get it encrypted under ``--label-privacy
         he``), or, with ``piggyback``, held back for the next request: returned."""
         buf = pack(self.sent, rows, thetas)
+        if self._he_passive and not self.synchronous:  # a passive party's backlog stays bounded
+            self.label.await_answers(self.sent - HE_AHEAD)
         sealed = (self.label.encrypt_batch(self.sent, rows, self.party.rule.summed_values(rows, thetas))
                   if self._he_passive else None)
         self.sent += 1
