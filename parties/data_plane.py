@@ -13,20 +13,14 @@ Threads:
   with numba ``nogil`` kernels, so they really run in parallel. The ϑ stream of dominator r goes to
   worker ``r mod k`` (k = m: one worker per dominator stream, the paper's setting).
 * **heartbeat thread** - tells the others this party is alive, ends the job when one is silent, and
-  watches the partial sums this party's requests wait for (protocols/liveness.py: the rule and its
-  levels). Heartbeats show a party's process is alive, never that it does its part of the protocol:
-  only what a peer delivers restarts the deadline of a wait on it.
+  watches the partial sums this party's requests wait for (a heartbeat never counts as progress).
 * **the dominated loop** (:meth:`DataPlane.dominate`, the main thread of an active party during a
   segment): sample rows, obtain ŵ·x by Algorithm 1 rooted here, compute ϑ, broadcast (ϑ, i), update
   its own block.
 
-Every wait on a peer has a deadline (``--peer-timeout``, protocols/liveness.py): the partial sums of a
-request (watched by the heartbeat thread; a child whose subtree has height h waits at level h), a
-segment's ``DONE`` (level q, in :meth:`DataPlane.drain`), a synchronous step's acknowledgements (level 1),
-an HE decryption (level 0, parties/label_plane.py) and the ``STOP`` messages at the end. A ``DONE`` is
-``[segment, count]``: the next segment of its dominator, at most one ahead of this party's own, with a
-count equal to the (ϑ, i) received from it; an ``ACK`` carries the sequence number it acknowledges, the
-next one from that party and one this dominator has sent. Anything else ends the job naming the sender.
+Every wait on a peer has a deadline (``--peer-timeout``; the rule, the levels and the control words'
+checks: docs/runtime.md, "Liveness"): a request's partial sums (watched by the heartbeat thread), a
+segment's ``DONE`` (:meth:`DataPlane.drain`), a synchronous step's acknowledgements, the closing STOPs.
 
 Every data-plane message goes through one :class:`~protocols.transport.MpiTransport`: sends may come
 from any thread (``MPI_THREAD_MULTIPLE``), never block, and are sealed there with ``--secure-channels``.
@@ -46,6 +40,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from parties.label_plane import HE_AHEAD
 from parties.lifecycle import guarded, stop_job
 from parties.messages import (
     MAX_MESSAGE_WORDS,
@@ -128,18 +123,7 @@ class DataPlane:
         self.transport = MpiTransport(self.data, capacity_words=wire_words, max_message_words=wire_words,
                                       channels=self.channels, kinds=MESSAGE_KINDS, liveness=self.liveness,
                                       silent_tags=frozenset({TAG_HEARTBEAT}))
-        self.applied = np.zeros(self.q, dtype=np.int64)
-        self.applied_cond = threading.Condition()
-        self.sent = 0
-        #: per dominator: segments it has finished, and its cumulative (ϑ, i) broadcasts at that point
-        self.done_segments = np.zeros(self.q, dtype=np.int64)
-        self.done_sent = np.zeros(self.q, dtype=np.int64)
-        self.segment = 0
-        #: segments this party has drained: a DONE may be at most one segment ahead of it
-        self._drained = 0
-        #: sync modes: per party, the ACKs received (each for the next of this dominator's (ϑ, i))
-        self.acked = np.zeros(self.q, dtype=np.int64)
-        self.acked_cond = threading.Condition()
+        self._counters()
         self.results: dict[int, queue.SimpleQueue[np.ndarray]] = {}
         self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(options.threads)]
         #: per rank: the worker queue of its (ϑ, i) stream (dominator r → worker r mod k)
@@ -148,13 +132,27 @@ class DataPlane:
         self._rng = np.random.default_rng([options.seed, self.rank])
         self.peer_timeout = options.peer_timeout
         self.last_heard = np.zeros(self.q)
-        self._stopped = np.zeros(self.q, dtype=np.int64)  # STOP messages received, per party
         self._stopping = threading.Event()
-        #: requests this party has started (its own and others'), with when: their partial sums are
-        #: watched by the heartbeat thread until they are done here (under node_lock)
-        self._started: dict[tuple[int, int], float] = {}
         self._guard = functools.partial(guarded, self.data, self.rank)
         self._link = (options.link_delay, options.link_jitter, options.seed + self.rank)
+
+    def _counters(self) -> None:
+        """What the control words of the data plane are checked against, per party."""
+        self.applied = np.zeros(self.q, dtype=np.int64)
+        self.applied_cond = threading.Condition()
+        self.sent = 0
+        #: per dominator: segments it has finished, and its cumulative (ϑ, i) broadcasts at that point
+        self.done_segments = np.zeros(self.q, dtype=np.int64)
+        self.done_sent = np.zeros(self.q, dtype=np.int64)
+        self.segment = 0
+        self._drained = 0  # segments this party has drained: a DONE is at most one ahead of it
+        #: sync modes: per party, the ACKs received (each for the next of this dominator's (ϑ, i))
+        self.acked = np.zeros(self.q, dtype=np.int64)
+        self.acked_cond = threading.Condition()
+        self._stopped = np.zeros(self.q, dtype=np.int64)  # STOP messages received, per party
+        #: requests started here (its own and others') and when: the heartbeat thread watches their
+        #: partial sums until they are done here (under node_lock)
+        self._started: dict[tuple[int, int], float] = {}
 
     def _label_state(self, label) -> None:
         """What the hot path needs of the label plane, as plain attributes: the largest message, and under
@@ -193,6 +191,8 @@ class DataPlane:
         none = np.zeros(0, dtype=np.int64)
         self.party.rule.products(self.party.w, none)
         self.party.rule.apply(self.party.w.copy(), none, np.zeros(0))
+        # every drain calls it: compiled now, or the first drain would be a silent step of seconds
+        self.party.rule.synchronize(self.party.w.copy())
 
     def stop(self) -> None:
         """End this party's threads once every party is done (call after a control-plane barrier).
@@ -540,6 +540,8 @@ class DataPlane:
         """Step ``sent``'s (ϑ, i) to every other party (passive ones get it encrypted under ``--label-privacy
         he``), or, with ``piggyback``, held back for the next request: returned."""
         buf = pack(self.sent, rows, thetas)
+        if self._he_passive and not self.synchronous:  # a passive party's backlog stays bounded
+            self.label.await_answers(self.sent - HE_AHEAD)
         sealed = (self.label.encrypt_batch(self.sent, rows, self.party.rule.summed_values(rows, thetas))
                   if self._he_passive else None)
         self.sent += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import queue
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -25,6 +26,13 @@ from vertical.label_privacy import clip_scales, row_norm_bound
 
 #: Longest a worker waiting for a decryption sleeps before it looks at its deadline again (seconds).
 REPLY_TICK = 0.05
+#: ``--mode async``: encrypted batches a dominator may send beyond a passive party's answers. A passive
+#: party steps one batch per round trip, so without a bound its backlog (and its staleness) grows with
+#: the segment, and at the segment's barrier it would work through it sending nothing to the parties
+#: that wait for it there (a deadline on silence would name it, docs/runtime.md "Liveness"). 16 batches
+#: are about 2 s of round trips (docs/label-privacy.md); the segment takes as long as before, as a
+#: dominator waited for that backlog in its drain anyway.
+HE_AHEAD = 16
 
 
 class PassBatches:
@@ -78,6 +86,7 @@ class LabelPlane:
         self.replies: dict[int, queue.SimpleQueue[np.ndarray]] = {r: queue.SimpleQueue()
                                                                   for r in active_ranks}
         self._answered = np.zeros(self.q, dtype=np.int64)  # per passive party: replies decrypted
+        self._answered_cond = threading.Condition()
         for root in active_ranks:
             mine = self.key.public_bytes() if self.rank == root and self.key is not None else None
             key = control.broadcast_public_key(root, mine)
@@ -149,8 +158,21 @@ class LabelPlane:
                 words = label_he.add_noise(words, noise, int(self._fraction_bits[source]))
             except OverflowError as err:
                 self.stop("diverged", str(err))
-        self._answered[source] = expected + 1
+        with self._answered_cond:
+            self._answered[source] = expected + 1
+            self._answered_cond.notify_all()
         return np.concatenate([np.array([seq], dtype=np.uint64), words])
+
+    def await_answers(self, upto: int) -> None:
+        """Dominator, ``--mode async``: wait until every passive party has had batches ``0..upto - 1``
+        decrypted (:data:`HE_AHEAD`). Its worker may first wait for another dominator's decryption:
+        level 1 of the deadlines."""
+        passive = [p for p in range(self.q) if p not in self.active_ranks]
+        liveness, since = self.control.liveness, self.control.liveness.clock()
+        with self._answered_cond:
+            while late := [p for p in passive if self._answered[p] < upto]:
+                liveness.check(late, since, f"its masked gradient of batch #{upto - 1}", level=1)
+                self._answered_cond.wait(REPLY_TICK)
 
     def passive_gradient(self, source: int, rows: np.ndarray, payload: bytes, seq: int, transport
                          ) -> np.ndarray:

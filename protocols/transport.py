@@ -232,7 +232,12 @@ class MpiTransport:
                 request = self.comm.Irecv(spec, source, tag)
                 backoff = Backoff()
                 while not request.Test(status):
-                    wait()
+                    try:
+                        wait()
+                    except BaseException:  # giving up: the reused buffer must not be written later
+                        request.Cancel()
+                        request.Wait()
+                        raise
                     backoff.sleep()
         except MPI.Exception as error:
             if error.Get_error_class() != MPI.ERR_TRUNCATE:

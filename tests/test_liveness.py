@@ -90,6 +90,33 @@ def test_a_node_says_which_children_it_still_waits_for_and_how_deep_they_are() -
     assert [source for source, _ in tree_two] == [b]
 
 
+def test_a_frame_whose_payload_never_comes_names_its_sender_and_a_polling_receive_gives_up() -> None:
+    from mpi4py import MPI
+
+    from protocols.transport import MpiTransport
+
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        transport = MpiTransport(comm, capacity_words=8, max_message_words=100,
+                                 liveness=Liveness(0, 1, 0.2, stagger=0.0))
+        frame = np.array([50], dtype=np.uint32)  # announces 50 words; none follow
+        sends = [comm.Isend([frame, MPI.BYTE], 0, transport.tag)]
+        with pytest.raises(PeerTimeout, match=r"party 0 has been silent .* for the payload of its frame"):
+            transport.recv(lambda: None)
+
+        def impatient() -> None:
+            raise TimeoutError("given up")
+
+        with pytest.raises(TimeoutError):  # nothing arrives: the caller's wait ends the receive
+            transport.recv(impatient)
+        words = np.arange(3, dtype=np.uint64)
+        sends.append(comm.Isend([words, MPI.BYTE], 0, transport.tag))  # not into a dead receive
+        assert transport.recv()[1].tolist() == [0, 1, 2]
+        MPI.Request.Waitall(sends)
+    finally:
+        comm.Free()
+
+
 # --------------------------------------------------------------------------- stalls in real jobs
 
 

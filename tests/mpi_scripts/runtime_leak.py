@@ -1,7 +1,8 @@
 """Run under ``mpiexec -n 3``: construct and close a VFB² runtime ``argv[1]`` times in one process
-(``sync-global``, so it splits a lockstep communicator too) and check that every communicator it
-duplicated is ``MPI.COMM_NULL`` after each close. MPICH has a few thousand context ids: a runtime that
-leaked its communicators would run out of them long before the loop ends. Then the library call itself,
+(``sync-global``, whose dominators agree on every step) and check that every communicator it
+duplicated (data, control, the full passes') is ``MPI.COMM_NULL`` after each close. MPICH has a few
+thousand context ids: a runtime that leaked its communicators would run out of them long before the
+loop ends. Then the library call itself,
 ``parties.training.train``, twice in the same process (``argv[2]``: a run folder): every runtime it
 made has freed its communicators when it returns. Prints ``NO LEAK <rank>``."""
 
@@ -46,7 +47,7 @@ def main() -> None:
         comms = runtime.communicators()
         runtime.close()
         kept = [c for c in comms if c != MPI.COMM_NULL]
-        if kept or len(comms) != 4:
+        if kept or len(comms) != 3:
             raise SystemExit(f"party {rank}: round {k} kept {len(kept)} of {len(comms)} communicators")
     trained = train_twice(comm, party, sys.argv[2])
     if trained != 2:
