@@ -118,6 +118,38 @@ def run_parties(commands: list[list[str]], timeout: float, env: dict[str, str] |
     return done
 
 
+def run_staged(first: list[list[str]], then: list[list[str]], ready: str, timeout: float
+               ) -> list[subprocess.CompletedProcess]:
+    """Start ``first``, wait until each has printed ``ready`` (no sleep: its own words), then start
+    ``then``; wait for all. Results in the order first + then."""
+    full = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+
+    def start(cmd: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+
+    procs = [start(cmd) for cmd in first]
+    heard: list[list[str]] = []
+    try:
+        for proc in procs:
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                if ready in line:
+                    break
+            heard.append(lines)
+        procs += [start(cmd) for cmd in then]
+        heard += [[] for _ in then]
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return [subprocess.CompletedProcess(p.args, p.returncode, "".join(before) + out, err)
+            for p, before, (out, err) in zip(procs, heard, outputs, strict=True)]
+
+
 def error_line(result: subprocess.CompletedProcess) -> str:
     """The one line a refused party prints on standard error."""
     lines = result.stderr.strip().splitlines()
@@ -223,10 +255,12 @@ def test_a_process_without_the_pinned_key_is_refused_and_named(split, tmp_path):
     write_private_key(impostor.key, private)
     keys = {o.name: o.public for o in orgs} | {"bank-b": public}
     impostor.job.write_text(job_text(keys, address))
-    leader, fake, clinic = run_parties([o.command("--join-timeout", "8") for o in orgs], timeout=180)
+    # the parties dial first; the leader, started once they do, waits 5 s for the real bank-b
+    fake, clinic, leader = run_staged([o.command("--join-timeout", "60") for o in orgs[1:]],
+                                      [orgs[0].command("--join-timeout", "5")], "joining the leader", 180)
     assert leader.returncode == fake.returncode == clinic.returncode == 1
     line = error_line(leader)
-    assert "bank-b did not join within 8 s" in line and "claiming to be 'bank-b'" in line
+    assert "the join ended: bank-b did not join within 5 s" in line and "claiming to be 'bank-b'" in line
     assert "127.0.0.1:" in line and "keys do not agree" in line
     assert "bank-b" in error_line(clinic) and "(from the leader bank-a)" in error_line(clinic)
     assert "do not agree on keys" in error_line(fake)
@@ -237,25 +271,47 @@ def test_a_process_without_the_pinned_key_is_refused_and_named(split, tmp_path):
 def test_a_job_file_that_differs_in_one_option_is_refused_naming_the_field(split, tmp_path):
     orgs = make_orgs(tmp_path, split)
     write_jobs(orgs, f"127.0.0.1:{free_port()}", **{"clinic-c": {"epochs": 3}})
-    leader, bank, clinic = run_parties([o.command("--join-timeout", "60") for o in orgs], timeout=180)
-    assert leader.returncode == bank.returncode == clinic.returncode == 1
+    full = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+
+    def start(org: Org) -> subprocess.Popen:
+        return subprocess.Popen(org.command("--join-timeout", "60"), cwd=REPO_ROOT, env=full,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    # clinic-c comes once bank-b is in the hello, so that bank-b hears the leader end the join (one
+    # that came later would find the hello closed and wait out its own --join-timeout)
+    procs = [start(orgs[0]), start(orgs[1])]
+    try:
+        seen = []
+        for line in procs[0].stdout:
+            seen.append(line)
+            if "bank-b joined the hello" in line:
+                break
+        procs.append(start(orgs[2]))
+        outputs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    leader, bank, clinic = (subprocess.CompletedProcess([], p.returncode, out, err)
+                            for p, (out, err) in zip(procs, outputs, strict=True))
+    assert leader.returncode == bank.returncode == clinic.returncode == 1, "".join(seen)
     assert "clinic-c runs another job than the leader bank-a: [job] epochs is 3.0 at clinic-c, 2.0 at " \
            "bank-a" in error_line(leader)
     assert "[job] epochs is 3.0 here, 2.0 at bank-a" in error_line(clinic)
-    assert "clinic-c runs another job" in error_line(bank)
+    assert "clinic-c runs another job" in error_line(bank) and "(from the leader bank-a)" in error_line(bank)
 
 
 @pytest.mark.mpi
 def test_a_party_that_never_arrives_ends_the_join_for_everyone_naming_it(split, tmp_path):
     orgs = make_orgs(tmp_path, split)
     write_jobs(orgs, f"127.0.0.1:{free_port()}")
-    started = time.monotonic()
-    leader, bank = run_parties([o.command("--join-timeout", "6") for o in orgs[:2]], timeout=180)
+    bank, leader = run_staged([orgs[1].command("--join-timeout", "60")],
+                              [orgs[0].command("--join-timeout", "4")], "joining the leader", 180)
     assert leader.returncode == bank.returncode == 1
-    assert error_line(leader) == "vfl party bank-a: the join ended: clinic-c did not join within 6 s " \
+    assert error_line(leader) == "vfl party bank-a: the join ended: clinic-c did not join within 4 s " \
                                  "(--join-timeout)"
-    assert error_line(bank).startswith("vfl party bank-b: the join ended: clinic-c did not join within 6 s")
-    assert time.monotonic() - started < 150
+    assert error_line(bank).startswith("vfl party bank-b: the join ended: clinic-c did not join within 4 s")
 
 
 def _party_process(org: Org) -> int | None:
