@@ -203,8 +203,9 @@ class RunConfig:
              "the training labels (needs --epsilon, -m 1); he: passive parties get ϑ only encrypted and "
              "learn their batch gradients (sgd, -B above every passive block's width)")
     he_scheme: str = option("ou", "--he-scheme", choices=HE_SCHEMES,
-                            help="additively homomorphic scheme of --label-privacy he (Okamoto–Uchiyama: "
-                                 "~10x faster)")
+                            help="additively homomorphic scheme of --label-privacy he (ou: ~20x faster, "
+                                 "for a dominator that follows the protocol; paillier: also for one that "
+                                 "does not, docs/label-privacy.md)")
     he_key_bits: int = option(2048, "--he-key-bits", choices=HE_KEY_BITS,
                               check=Check(lambda v: v in HE_KEY_BITS, "{flag} must be one of "
                                           + ", ".join(map(str, HE_KEY_BITS)) + " (got {value})"),

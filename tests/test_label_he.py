@@ -550,3 +550,25 @@ def test_the_encryption_library_does_not_write_into_a_runs_output():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.stdout == "ours\n" and "thread pool" not in proc.stderr
+
+
+def test_the_jobs_benchmark_alternates_the_trees_and_tables_every_job(tmp_path):
+    """``python -m experiments label_he_jobs``: each (scheme, ε, seed) runs in both trees, in alternating
+    order, HE without noise in this tree only; the table has one row per (scheme, ε, noise)."""
+    import argparse
+
+    from experiments.bench_label_he_jobs import plan, write
+
+    args = argparse.Namespace(seeds=[0, 1], schemes=["ou"], epsilons=["4", "none"], noise=["new", "old"])
+    jobs = plan(args)
+    assert [j[0] for j in jobs] == ["new", "old", "none", "old", "new", "none"]
+    runs = [{"noise": noise, "scheme": scheme, "epsilon": eps, "seed": seed, "seconds_per_epoch": 10.0 + k,
+             "wall_s": 30.0, "test_accuracy": 0.8 + k / 100, "epochs": 1.0, "updates": 128,
+             "noise_multiplier": None if eps == "none" else 1.2, "command": "vfl train ...",
+             "load_before": 1.0, "load_after": 2.0} for k, (noise, scheme, eps, seed) in enumerate(jobs)]
+    meta = {"cpu": "test CPU", "base": "abc", "command": "python -m experiments label_he_jobs"}
+    write(tmp_path, meta, runs)
+    table = (tmp_path / "table.md").read_text()
+    assert "| ou | 4 | new | 82.00 % (80.00, 84.00) | 12.0 (10.0, 14.0) | 1.2 |" in table
+    assert table.count("| ou |") == 3 and "test CPU; load average 1.0–2.0" in table
+    assert (tmp_path / "label_he_jobs.png").stat().st_size > 0
