@@ -12,6 +12,7 @@ differ by design even with one seed.
 
     python -m experiments label_he_jobs [--base REV] [--schemes ou paillier] [--noise new old]
         [--epsilons 4 none] [--seeds 0 1] [--epochs 1] [--out DIR]
+    python -m experiments label_he_jobs --render DIR     # redraw DIR's table and plot
 
 ``none`` among the ε's is HE without noise (the same in both trees: run in ``new`` only). Outputs in
 ``experiments/results/label_he_jobs/`` (or ``--out``): ``results.json`` (every job, load average before
@@ -125,8 +126,9 @@ def write(out: Path, meta: dict, runs: list[dict]) -> None:
     epsilons = sorted({r["epsilon"] for r in runs}, key=lambda e: float("inf") if e == "none" else float(e))
     for ax, key, label in ((axes[0], "test_accuracy", "test accuracy (%)"),
                            (axes[1], "seconds_per_epoch", "seconds per epoch")):
-        for k, ((scheme, epsilon, noise), rs) in enumerate(groups.items()):
-            x = epsilons.index(epsilon) + 0.12 * (k % 4 - 1.5)
+        kinds = sorted({(noise, scheme) for (scheme, _, noise) in groups})
+        for (scheme, epsilon, noise), rs in groups.items():
+            x = epsilons.index(epsilon) + 0.12 * (kinds.index((noise, scheme)) - (len(kinds) - 1) / 2)
             ys = [r[key] * (100 if key == "test_accuracy" else 1) for r in rs]
             ax.scatter([x] * len(ys), ys, color=COLOURS[(noise, scheme)], label=f"{scheme}, noise {noise}")
         ax.set_xticks(range(len(epsilons)), [f"ε = {e}" if e != "none" else "no noise" for e in epsilons])
@@ -147,7 +149,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--render", type=Path, default=None, metavar="DIR",
+                   help="only redraw DIR's table and plot from its results.json (no job runs)")
     args = p.parse_args(argv)
+    if args.render is not None:
+        record = json.loads((args.render / "results.json").read_text())
+        runs = record.pop("runs")
+        write(args.render, record, runs)
+        return
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="label-he-base-") as tmp:
         trees = {"new": ROOT, "none": ROOT}
