@@ -58,6 +58,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                "FedDRO paper Section 6 design on Fashion-MNIST-ST: baselines, period I, number of clients"),
     "label_he": ("experiments.bench_label_he",
                  "--label-privacy he: cost of one encrypted batch, and the HE libraries compared"),
+    "label_he_jobs": ("experiments.bench_label_he_jobs",
+                      "--label-privacy he on a9a: OU vs Paillier, ε-noise on ϑ vs on decrypted gradients"),
     "label_attacks": ("experiments.label_attacks",
                       "label inference by a curious passive party from its own transcript, per mode"),
     "default_step": ("experiments.bench_default_step",

@@ -188,13 +188,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--he-gamma", type=float, default=None,
                    help="γ of the he modes (default 0.5; their step follows a mean over B = 256 rows)")
     p.add_argument("--he-batch-size", type=int, default=None,
-                   help="B of the he modes (default 256); with --epsilon a larger B divides the same noise "
-                        "by more rows")
+                   help="B of the he modes (default 256); with --epsilon a larger B averages the noise "
+                        "over more rows")
     p.add_argument("--he-gamma-decay", type=float, default=0.0,
                    help="the he modes' step γ/(1 + decay·e) in epoch e (default 0: constant)")
-    p.add_argument("--he-clip-quantile", type=float, default=1.0,
-                   help="the he-eps modes' row clipping: gradients from rows clipped to this quantile of "
-                        "each block's row norms, noise sized for it (default 1: none)")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     rows = []
@@ -218,9 +215,7 @@ def main(argv: list[str] | None = None) -> None:
                                       **({"batch_size": args.he_batch_size}
                                          if args.he_batch_size and mode.startswith("he") else {}),
                                       **({"gamma_decay": args.he_gamma_decay}
-                                         if args.he_gamma_decay and mode.startswith("he") else {}),
-                                      **({"clip_quantile": args.he_clip_quantile}
-                                         if "epsilon" in MODES[mode] and mode.startswith("he") else {})})
+                                         if args.he_gamma_decay and mode.startswith("he") else {})})
                 if launch(config, echo=False) != 0:
                     raise RuntimeError(f"{dataset}/{mode}: training failed")
                 last = json.loads((work / "metrics.jsonl").read_text().splitlines()[-1])
@@ -229,7 +224,6 @@ def main(argv: list[str] | None = None) -> None:
             best = max(found, key=lambda a: found[a]["accuracy"] if found[a]["coverage"] else -1)
             rows.append({"dataset": dataset, "mode": mode, "algorithm": config.algorithm, "party": 1,
                          "gamma": config.gamma, "gamma_decay": config.gamma_decay,
-                         "clip_quantile": config.clip_quantile,
                          "test_accuracy": last["test_accuracy"], "nonf_accuracy": nonf["accuracy"],
                          "seconds_per_epoch": last["time"] / max(last["epoch"], 1e-9),
                          "best_attack": best,

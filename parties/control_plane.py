@@ -1,8 +1,8 @@
 """The control plane of one party: every barrier-time exchange, each a named method.
 
 The runtime's main thread meets the other parties here between training segments: barriers, the
-leader's control words, the full ϑ vector, and under ``--label-privacy he`` the public keys, the
-label-DP setup and the SVRG snapshot's encrypted full pass. All of it runs on the control
+leader's control words, the full ϑ vector, and under ``--label-privacy he`` the public keys and
+the SVRG snapshot's encrypted full pass. All of it runs on the control
 communicator (a duplicate of the job's; the data plane has its own), with buffer calls only. Each
 exchange is one method, named in :data:`~parties.messages.CONTROL_KINDS`, so a reader finds every
 message a party can get outside the data plane in this file.
@@ -158,10 +158,6 @@ class ControlPlane:
         self._from_root(key, root, TAG_KEY)
         self.audit.record(root, AUDIT_HE_KEY, label_he.bytes_to_words(key.tobytes()))
         return key.tobytes()
-
-    def gather_dp_setup(self, feature_bits: int, squared_bound: float) -> np.ndarray:
-        """``--epsilon``: every party's (feature bits, c_l²), ``[q, 2]`` float64; the caller checks them."""
-        return self._from_everyone(np.array([feature_bits, squared_bound], dtype=np.float64), TAG_GATHER)
 
     def gather_row_norms(self, max_squared: float, mean_squared: float) -> np.ndarray:
         """Every party's ``(max_i ‖x_il‖², mean_i ‖x_il‖²)``, ``[q, 2]`` float64: the two numbers the

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import math
 import queue
 import threading
 import time
@@ -156,15 +155,13 @@ class DataPlane:
 
     def _label_state(self, label) -> None:
         """What the hot path needs of the label plane, as plain attributes: the largest message, and under
-        ``--epsilon`` the noise, the pass batches and the per-row clipping."""
+        ``--epsilon`` the noise and the pass batches."""
         self.max_words = MAX_MESSAGE_WORDS if label is None else label.max_words
         if self.piggyback:  # a (ϑ, i) message of B rows and a request for B rows, behind a length word
             b = self.batch_size
             self.max_words = max(self.max_words, 1 + (2 + 2 * b) + (HEADER_WORDS + b))
         self._noise_std = 0.0 if label is None else label.noise_std
         self._batches = None if label is None else label.batches
-        self._row_scale = None if label is None else label.row_scale
-        self._own_noise = getattr(label, "own_noise", None)
 
     def start(self) -> None:
         """Warm up, wait until every party has (silence from then on means something), start the threads."""
@@ -385,7 +382,6 @@ class DataPlane:
         party = self.party
         if self.he and not party.active:
             return self._he_worker_loop(inbox)
-        noise = np.random.default_rng() if self._noise_std else None  # this thread's own, OS entropy
         while True:
             batch = [inbox.get()]
             while len(batch) < WORKER_BATCH and not inbox.empty():
@@ -398,10 +394,7 @@ class DataPlane:
                 if self.apply_delay:
                     time.sleep(self.apply_delay)
                 started = time.perf_counter()
-                party.rule.apply(party.w, rows, self._clipped(rows, thetas), writer=writer)
-                if noise is not None:  # one draw for len(items) steps: the sum of their noises
-                    scale = self._noise_std * math.sqrt(len(items))
-                    party.rule.apply_noise(party.w, noise.normal(0.0, scale, party.w.size))
+                party.rule.apply(party.w, rows, thetas, writer=writer)
                 self._straggle(started)
                 self._applied([source for source, _, _ in items])
             if stopping:
@@ -511,14 +504,14 @@ class DataPlane:
                 break
             step_rows, slot = pending.popleft()
             thetas = np.asarray(party.problem.theta(slot.get(), party.y[step_rows]), dtype=np.float64)
+            if self._noise_std:  # --epsilon: ϑ̃, for every party (label_plane.LabelPlane.setup_noise)
+                thetas = self.label.perturb(thetas)
             if self.dispatch:
                 if self.synchronous and others:
                     self.max_unacked = max(self.max_unacked, self.sent - int(self.acked[others].min()))
                 held = self._dispatch(step_rows, thetas, others)
             started = time.perf_counter()
-            party.rule.apply(party.w, step_rows, self._clipped(step_rows, thetas), writer=0)
-            if self._noise_std:
-                party.rule.apply_noise(party.w, self._own_noise.normal(0.0, self._noise_std, party.w.size))
+            party.rule.apply(party.w, step_rows, thetas, writer=0)
             self._straggle(started)
             if self.synchronous and self.dispatch:
                 self._await_acks(others)
@@ -553,11 +546,6 @@ class DataPlane:
             else:
                 self.transport.send(dest, buf, TAG_THETA)
         return None
-
-    def _clipped(self, rows: np.ndarray, thetas: np.ndarray) -> np.ndarray:
-        """The ϑ's an active party steps with: ϑ_i·s_i under row clipping (the gradient of the clipped
-        row; an SGD step is linear in ϑ), ϑ itself otherwise."""
-        return thetas if self._row_scale is None else thetas * self._row_scale[rows]
 
     def _broadcast_theta(self, message: np.ndarray, dests: list[int]) -> None:
         for dest in dests:

@@ -2,15 +2,16 @@
 
 Passive parties never see ϑ: a dominator sends each batch encrypted under its own key, a passive party
 answers with its masked encrypted block gradient, and the dominator returns the decryption, still
-masked (protocols/label_he.py). The data plane carries the batches (``parties/data_plane.py`` calls
+masked (protocols/label_he.py); under ``--epsilon`` what it encrypts, and what every party steps
+with, is ϑ̃ = ϑ + N(0, σ²) (:meth:`LabelPlane.perturb`). The data plane carries the batches
+(``parties/data_plane.py`` calls
 :meth:`LabelPlane.encrypt_batch`, :meth:`LabelPlane.decrypt_for` and
-:meth:`LabelPlane.passive_gradient`); the keys, the label-DP setup and the SVRG snapshot's encrypted
+:meth:`LabelPlane.passive_gradient`); the keys and the SVRG snapshot's encrypted
 full pass go over the control plane (``parties/control_plane.py``).
 """
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 from collections.abc import Callable
@@ -22,7 +23,6 @@ from parties.control_plane import ControlPlane
 from parties.messages import AUDIT_HE_FULL_GRADIENT, AUDIT_HE_GRADIENT, MAX_MESSAGE_WORDS, TAG_HE_MASKED
 from protocols import label_he
 from protocols.errors import ProtocolViolation
-from vertical.label_privacy import clip_scales, row_norm_bound
 
 #: Longest a worker waiting for a decryption sleeps before it looks at its deadline again (seconds).
 REPLY_TICK = 0.05
@@ -59,8 +59,8 @@ class PassBatches:
 
 
 class LabelPlane:
-    """One party's part of the encrypted label plane; all parties construct it collectively (the keys,
-    and with ``noise_multiplier`` the label-DP setup, are exchanged here).
+    """One party's part of the encrypted label plane; all parties construct it collectively (the keys
+    are exchanged here).
 
     ``stop(outcome, reason)`` ends the job (:func:`~parties.lifecycle.stop_job`): a value too large to
     encrypt means the model diverged.
@@ -75,11 +75,9 @@ class LabelPlane:
         self.active_ranks = active_ranks
         self.batch_size = batch_size
         self.stop = stop
-        #: --epsilon: σC, the noise of every batch gradient (0: none); the dominators' batches of a pass
+        #: --epsilon: σ, the noise on every ϑ (0: none); the dominators' batches of a pass
         self.noise_std = 0.0
         self.batches: PassBatches | None = None
-        #: --clip-quantile below 1: an active party's per-row gradient factors (its steps use ϑ_i·s_i)
-        self.row_scale: np.ndarray | None = None
         self.key = label_he.LabelKey(scheme, key_bits) if party.active else None
         self.gradients: dict[int, label_he.BlockGradient] = {}
         #: a passive party's decrypted answers, per dominator (put there by the communication thread)
@@ -97,38 +95,25 @@ class LabelPlane:
         self.max_words = max(MAX_MESSAGE_WORDS,
                              3 + batch_size + label_he.ciphertext_limit(key_bits, batch_size) // 8 + 1)
 
-    def setup_noise(self, noise_multiplier: float, seed: int, clip_quantile: float) -> None:
-        """``--epsilon``: every party bounds its block's row norms (c_l: the largest, or the
-        ``--clip-quantile`` with the gradients computed from rows clipped to it) and tells the others (one
-        buffer collective) c_l² and the fixed-point feature bits of its block; C = √(Σ_l c_l²) bounds
-        every full row's gradient, and each block's batch gradient gets N(0, (σC)²) per coordinate
-        (vertical/label_privacy.py). Only the label holders draw noise, from OS entropy: a seed the others
-        know would let them subtract it. Semi-honest parties: a passive party that understated its
-        bound would lower the noise every party gets."""
-        party, block = self.party, self.party.block
-        squares = np.bincount(np.repeat(np.arange(block.n_rows), np.diff(block.indptr)),
-                              weights=np.asarray(block.data, dtype=np.float64) ** 2, minlength=block.n_rows)
-        norms = np.sqrt(squares)
-        bound = row_norm_bound(norms, clip_quantile)
-        if bound < norms.max(initial=0.0):
-            scale = clip_scales(norms, bound)
-            if party.active:
-                self.row_scale = scale
-            for gradients in self.gradients.values():
-                gradients.clip_rows(scale)
-        bits = 0 if party.active else next(iter(self.gradients.values())).feature_bits
-        every = self.control.gather_dp_setup(bits, bound**2)
-        for rank, (their_bits, square) in enumerate(every.tolist()):
-            if their_bits not in (0, label_he.FEATURE_BITS) or not 0 <= square < math.inf:
-                raise ProtocolViolation(rank, "label-DP setup", f"feature bits {their_bits}, squared norm "
-                                        f"{square}")
-        self._fraction_bits = label_he.THETA_BITS + every[:, 0].astype(np.int64)
-        self.noise_std = noise_multiplier * math.sqrt(float(every[:, 1].sum()))
-        if party.active:
-            self.batches = PassBatches(block.n_rows, self.batch_size, len(self.active_ranks),
+    def setup_noise(self, noise_multiplier: float, seed: int) -> None:
+        """``--epsilon``: a dominator encrypts ϑ̃_i = ϑ_i + N(0, σ²), σ = ``noise_multiplier`` (one label
+        moves the logistic ϑ by exactly 1), for every row of every batch, and every party, active ones
+        included, steps with ϑ̃ (vertical/label_privacy.py says why both). Nothing is exchanged: the
+        noise's size depends on no party's data, so no party can lower it. Only the label holders draw
+        noise, from OS entropy: a seed the others know would let them subtract it."""
+        self.noise_std = noise_multiplier
+        if self.party.active:
+            self.batches = PassBatches(self.party.block.n_rows, self.batch_size, len(self.active_ranks),
                                        self.active_ranks.index(self.rank), seed)
-            self.own_noise = np.random.default_rng()  # the main thread's; the comm thread's below
-            self._reply_noise = np.random.default_rng()
+            self._noise = np.random.default_rng()  # the dominated loop's (the main thread)
+
+    def perturb(self, thetas: np.ndarray) -> np.ndarray:
+        """Dominator under ``--epsilon``: the ϑ̃ of a batch, what it encrypts, sends and steps with."""
+        try:
+            return label_he.noisy_thetas(thetas, self.noise_std, self._noise)
+        except OverflowError as err:
+            self.stop("diverged", str(err))
+            raise
 
     # ---------------------------------------------------------------------- batches (data plane)
 
@@ -152,12 +137,6 @@ class LabelPlane:
             raise ProtocolViolation(source, "masked gradient", f"for batch #{seq} where #{expected} was "
                                     f"expected ({sent} sent)")
         words = self.key.decrypt_masked(source, payload, self.batch_size)
-        if self.noise_std:
-            noise = self._reply_noise.normal(0.0, self.noise_std, words.size // 2)
-            try:
-                words = label_he.add_noise(words, noise, int(self._fraction_bits[source]))
-            except OverflowError as err:
-                self.stop("diverged", str(err))
         with self._answered_cond:
             self._answered[source] = expected + 1
             self._answered_cond.notify_all()

@@ -116,10 +116,8 @@ def prepare(options: RunConfig, *, given: frozenset[str] | None = None, echo: bo
         return _prepare_resume(options, differing_options(options) if given is None else given, echo)
     plan = resolve(options)
     if echo and plan.noise_multiplier:
-        print(f"vfl train: label-DP ε = {plan.epsilon:g}, δ = {plan.delta:g}: every batch gradient gets "
-              f"Gaussian noise of multiplier σ = {plan.noise_multiplier:.3g}"
-              + (f", each party's rows clipped at the {plan.clip_quantile:g}-quantile of their norms"
-                 if plan.clip_quantile < 1 else ""), flush=True)
+        print(f"vfl train: label-DP ε = {plan.epsilon:g}, δ = {plan.delta:g}: every ϑ is encrypted with "
+              f"Gaussian noise of σ = {plan.noise_multiplier:.3g} added", flush=True)
     chosen_for_the_user = options.out is None
     out = run_folder(plan)  # named after the resolved dataset (news20-standin, not news20)
     plan = dataclasses.replace(plan, out=str(out))

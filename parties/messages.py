@@ -77,7 +77,6 @@ CONTROL_KINDS = {
     "broadcast_float": "control word",
     "sum_word": "control sum",
     "broadcast_public_key": "public key",
-    "gather_dp_setup": "label-DP setup",
     "gather_row_norms": "row-norm bounds",
     "agree": "lockstep agreement",
     TAG_BARRIER: "barrier token",

@@ -49,9 +49,8 @@ class RuntimeOptions:
     label_privacy: str = "none"
     he_scheme: str = "ou"
     he_key_bits: int = 2048
-    #: --label-privacy he --epsilon: σ of the batch gradients' noise, in units of C
+    #: --label-privacy he --epsilon: σ of the noise on every ϑ (one label moves ϑ by 1)
     noise_multiplier: float | None = None
-    clip_quantile: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "active_ranks", tuple(self.active_ranks))
@@ -74,5 +73,4 @@ class RuntimeOptions:
             peer_timeout=config.peer_timeout, link_delay=config.link_delay_ms / 1e3,
             link_jitter=config.link_jitter_ms / 1e3, keys=keys, allow_two_parties=config.allow_two_parties,
             audit=config.audit, label_privacy=config.label_privacy, he_scheme=config.he_scheme,
-            he_key_bits=config.he_key_bits, noise_multiplier=config.noise_multiplier,
-            clip_quantile=config.clip_quantile)
+            he_key_bits=config.he_key_bits, noise_multiplier=config.noise_multiplier)

@@ -42,7 +42,7 @@ class JobPlan:
     party_files: str | None = None
     dataset: str = ""
     f_star: float | None = None
-    #: --label-privacy he --epsilon: σ of the Gaussian noise, from (ε, δ, releases); None otherwise
+    #: --label-privacy he --epsilon: σ of the Gaussian noise on every ϑ, from (ε, δ, releases); else None
     noise_multiplier: float | None = None
     job_id: str | None = None
     channel_public_keys: tuple[str, ...] | None = None
@@ -195,9 +195,14 @@ def noise_multiplier(options: RunConfig, n_train: int) -> float | None:
     job's :func:`label_dp_releases`. Always derived, never read from a file: no stale value."""
     if options.label_privacy != "he" or options.epsilon is None or options.active == options.parties:
         return None  # the noise hides ϑ's labels from passive parties: without them there is none
+    from protocols.label_he import VALUE_BITS
     from vertical.label_privacy import gaussian_noise_multiplier
 
-    return gaussian_noise_multiplier(options.epsilon, options.delta, label_dp_releases(options, n_train))
+    sigma = gaussian_noise_multiplier(options.epsilon, options.delta, label_dp_releases(options, n_train))
+    if sigma > 2.0**VALUE_BITS / 16:  # a draw of 16σ (probability 1e-57) still fits the fixed point
+        raise ConfigError(f"--epsilon {options.epsilon:g} needs noise of σ = {sigma:.3g} on every ϑ, beyond "
+                          f"what the encryption's fixed point holds (2^{VALUE_BITS}/16); raise ε or δ")
+    return sigma
 
 
 # ------------------------------------------------------------------------------ checks of the data

@@ -5,8 +5,8 @@
 * the **data plane** (``parties/data_plane.py``): the communication thread, the workers, the heartbeat
   and the dominated loop, over the data communicator and one :class:`~protocols.transport.MpiTransport`;
 * the **control plane** (``parties/control_plane.py``): every barrier-time exchange (barriers, control
-  words, the full ϑ, the keys and the label-DP setup), one named method each, point to point on the
-  control communicator; the secure aggregation's full passes (evaluations, SVRG snapshots, the SAGA initial
+  words, the full ϑ and the keys), one named method each, point to point on the control communicator;
+  the secure aggregation's full passes (evaluations, SVRG snapshots, the SAGA initial
   pass) run beside it on a duplicate of their own;
 * the **label plane** (``parties/label_plane.py``), under ``--label-privacy he``: encrypted batches and
   the SVRG snapshot's encrypted full pass, with label DP under ``--epsilon``;
@@ -139,7 +139,7 @@ class PartyRuntime:
                                     batch_size=options.batch_size, scheme=options.he_scheme,
                                     key_bits=options.he_key_bits, stop=partial(stop_job, comm, self.rank))
             if options.noise_multiplier:
-                self.label.setup_noise(options.noise_multiplier, options.seed, options.clip_quantile)
+                self.label.setup_noise(options.noise_multiplier, options.seed)
         self.plane = DataPlane(comm, party, options, tree_pairs=pairs, control=self.control,
                                label=self.label, records=self.audit.records)
         self.plane.start()

@@ -3,26 +3,49 @@
 The protocol (the one FATE runs for hetero logistic regression, on our dispatcher), per mini-batch of
 B rows dominated by active party a:
 
-1. a encrypts the B values ϑ_i under its own additively homomorphic key and sends them with the rows.
+1. a encrypts the B values ϑ_i under its own additively homomorphic key and sends them with the rows
+   (under ``--epsilon`` it encrypts ϑ̃_i = ϑ_i + N(0, σ²) instead: :func:`noisy_thetas`).
 2. Passive party l computes [[g_j]] = Σ_i [[ϑ_i]]·x_ij for *every* column j of its block (also the
    columns that are zero in this batch: sending only the non-zero ones would show a which features of
    the batch rows are non-zero), adds a freshly *encrypted* mask r_j (fresh randomness: a plaintext
    mask would leave Π ρ_i^{x_ij} of a's own encryption randomness in the result, from which a could
    test guesses of x), and sends the d_l ciphertexts back.
-3. a decrypts g_j + r_j and returns (g_j + r_j) mod 2^128; l subtracts r_j and applies the step.
+3. a decrypts g_j + r_j and returns it modulo 2^128; l subtracts r_j, checks that g_j is a value B
+   honest ϑ's could sum to, and applies the step.
 
-Threat model: semi-honest parties (they follow the protocol, and look at everything they receive).
+What each side learns, per threat (docs/label-privacy.md has the table and the reasoning):
 
-* The passive party sees ciphertexts under a's key, the rows of the batch and its own batch gradient
-  g = X_Bᵀ ϑ_B: d_l linear equations in the B unknowns ϑ_B. When X_B has rank B (only possible with
-  B ≤ d_l) they determine ϑ_B (B = 1 gives ϑ = g_j / x_ij outright), so B must exceed d_l: the
-  launcher refuses a smaller B and the active party itself refuses to decrypt a gradient of B or more
-  values. With B > d_l the
-  party still learns the d_l-dimensional projection X_Bᵀ ϑ_B of each batch, and its own model block
-  w_l (as in every VFL mode): both are label information by design; docs/label-privacy.md says more.
-* The active party sees g_j + r_j with r_j uniform on [0, 2^MASK_BITS): its statistical distance
-  from r_j alone is |g_j| / 2^MASK_BITS < 2^(GRADIENT_BITS − MASK_BITS) = 2^-100. It learns d_l
-  (public anyway).
+* **Passive party, semi-honest**: its batch gradient g = X_Bᵀϑ_B, d_l equations in the B unknowns ϑ_B.
+  With B ≤ d_l they can determine ϑ_B (B = 1: ϑ = g_j / x_ij), so the launcher refuses such a B and a
+  refuses to decrypt B or more values. **Malicious**: nothing here stops it from learning ϑ. A party
+  that learns its own exact X_Bᵀϑ_B chooses X_B (one-hot or 2^k-scaled columns, or simply returning
+  the batch's own ciphertexts re-randomised, or two packed into one as [[ϑ_a]] + 2^64·[[ϑ_b]]), so
+  plain ``he`` is for semi-honest passive parties only. Under ``--epsilon`` the noise is inside the
+  ciphertexts: every value any passive party can ever get decrypted is post-processing of ϑ̃, so the
+  (ε, δ) label-DP bound holds whatever it sends.
+* **Dominator, semi-honest**: g_j + r_j, with r_j hiding g_j (below). **Malicious** (it may encrypt
+  anything instead of ϑ, e.g. 2^(212+48i) so that each x_ij lands in its own bits): with
+  ``--he-scheme paillier`` the plaintext space is Z_n, n public, and r_j is uniform modulo n, so
+  g_j + r_j mod n is uniform whatever was encrypted (perfect hiding, for a well-formed key). With
+  Okamoto–Uchiyama the plaintext space is Z_p, p secret and unverifiable, so no mask width hides every
+  plaintext: r_j is as wide as exact unmasking allows for an honest key (:func:`ou_mask_bits`), and OU
+  is for a semi-honest dominator only.
+
+Unmasking. Paillier: a returns v = ((g + r) mod n) mod 2^128 and l computes (v − r) mod 2^128, read
+as a signed 128-bit number. For honest |g| < 2^GRADIENT_BITS this is g unless g + r left [0, n): for
+g ≥ 0 when r ≥ n − g, for g < 0 when r < |g|; each has probability |g|/n < 2^-1900, and then l ends
+the job blaming a (the check below). OU: HEU decrypts into (−p/2, p/2] and an honest p exceeds
+2^⌊(k+2)/3⌋ for a k-bit key, so g + r with r < 2^ou_mask_bits stays inside and a returns it mod 2^128.
+The check: after unmasking, |g_j| must not exceed Σ_i |x_ij| · 2^(VALUE_BITS + THETA_BITS) in the
+fixed point (what B values |ϑ| < 2^VALUE_BITS can give); a larger value means the decryption wrapped,
+which an honest dominator cannot cause, and ends the job naming it.
+
+Paillier ciphertexts carry one public bit besides the plaintext: the Jacobi symbol of c mod n. HEU's
+honest ciphertexts all have symbol +1 (its randomness base is −x² mod n, and n = pq with p ≡ q ≡ 3 mod
+4), and so do sums of them; a dominator that sent some with symbol −1 would read, in the symbol of each
+reply, the parity of Σ x_ij over those rows. A passive party therefore checks the symbol of
+JACOBI_PROBES random subset sums of every batch it receives (a batch with any −1 passes with
+probability 2^-JACOBI_PROBES).
 
 Fixed point: ϑ is encoded with THETA_BITS fractional bits (resolution 2^-32 ≈ 2.3e-10); a party's
 features exactly when they are all integers (one-hot, counts: multiplying a ciphertext by 1 is
@@ -33,7 +56,8 @@ below 2^20 (a diverging run stops with a clear message instead of wrapping aroun
 Library: SecretFlow HEU (``sf-heu``, C++). Okamoto–Uchiyama with a 2048-bit modulus n = p²q is the
 default: HEU draws its primes and randomness for 112-bit security, NIST SP 800-57's level for a
 2048-bit RSA modulus; ``--he-key-bits 3072`` gives 128 bits. Measurements: docs/label-privacy.md.
-Paillier (``--he-scheme paillier``) is there for those whose policy names it (25-30x slower a batch).
+Paillier (``--he-scheme paillier``) is the mode for a dominator that may not follow the protocol
+(25-30x slower a batch).
 
 Every buffer another party sends is checked here before the library parses it: exact header, lengths
 within the bounds the key size allows, a ciphertext count equal to what the protocol produces; a
@@ -44,8 +68,11 @@ from __future__ import annotations
 
 import functools
 import os
+import re
+import secrets
 import sys
 
+import gmpy2
 import numpy as np
 
 from protocols.errors import ProtocolViolation
@@ -58,14 +85,15 @@ FEATURE_BITS = 24
 VALUE_BITS = 20
 #: Largest batch (``parties.config.MAX_BATCH``) is below 2^12: |g| < 2^GRADIENT_BITS.
 GRADIENT_BITS = 12 + 2 * VALUE_BITS + THETA_BITS + FEATURE_BITS
-#: The active party returns g + r modulo 2^RETURN_BITS; |g| < 2^(RETURN_BITS − 1) keeps g exact.
+#: The active party returns g + r modulo 2^RETURN_BITS; |g| < 2^(RETURN_BITS − 1) keeps g exact. It also
+#: caps what one decryption gives whoever asked for it.
 RETURN_BITS = 128
-#: Masks are uniform on [0, 2^MASK_BITS): 80 bits of statistical hiding above the return width.
-MASK_BITS = RETURN_BITS + 80
 #: Smallest B anyone may ask for; the real floor is d_l + 1 of the widest passive block (module doc).
 MIN_BATCH = 16
 SCHEMES = ("ou", "paillier")
 KEY_BITS = (2048, 3072, 4096)
+#: Subset sums of each encrypted Paillier batch whose Jacobi symbol a passive party checks (module doc).
+JACOBI_PROBES = 40
 #: Largest public key / ciphertext serialisation accepted, per key bit (measured for 2048 bits: an OU
 #: key 0.39 B/bit, an OU ciphertext 0.13, a Paillier one 0.26; they only bound what is parsed).
 MAX_KEY_BYTES = max(KEY_BITS)
@@ -74,6 +102,17 @@ assert GRADIENT_BITS < RETURN_BITS - 1
 
 _WHAT_CT = "encrypted batch"
 _WHAT_KEY = "public key"
+_WHAT_REPLY = "decrypted gradient"
+
+
+def ou_mask_bits(key_bits: int) -> int:
+    """Width of an OU mask: the widest that unmasks exactly under every honest ``key_bits`` key.
+
+    HEU's OU key generator draws p = t·u + 1 with t a prime of at least 224 bits and u of exactly
+    s − t_bits + 2 bits, s = ⌊(key_bits + 2)/3⌋, so p > 2^s, and decrypts into (−p/2, p/2]. With
+    r < 2^(s−2) and |g| < 2^GRADIENT_BITS, g + r lies in (−2^(s−1), 2^(s−1)): exact. (2048 bits: 681.)
+    """
+    return (key_bits + 2) // 3 - 2
 
 
 @functools.cache
@@ -107,6 +146,16 @@ def _schema(name: str):
     return {"ou": phe.SchemaType.OU, "paillier": phe.SchemaType.ZPaillier}[name]
 
 
+def paillier_modulus(public_key) -> int | None:
+    """n of a HEU Paillier public key, or None when its description does not give one consistent with
+    its plaintext bound ⌊n/2⌋ (HEU exposes n only in the key's text form)."""
+    match = re.search(r"\bn=([0-9A-F]+)\[", str(public_key))
+    if match is None:
+        return None
+    n = int(match.group(1), 16)
+    return n if n // 2 == int(str(public_key.plaintext_bound())) else None
+
+
 def min_batch(widest_passive_block: int) -> int:
     """The smallest B with which no passive party can solve its batch gradient for ϑ."""
     return max(MIN_BATCH, widest_passive_block + 1)
@@ -115,6 +164,22 @@ def min_batch(widest_passive_block: int) -> int:
 def ciphertext_limit(key_bits: int, count: int) -> int:
     """Most bytes ``count`` serialised ciphertexts of a ``key_bits`` key may take."""
     return int(count * key_bits * _CT_BYTES_PER_BIT) + 64
+
+
+def noisy_thetas(thetas: np.ndarray, sigma: float, rng: np.random.Generator) -> np.ndarray:
+    """``--epsilon``: ϑ̃ = ϑ + N(0, σ²) per value, on ϑ's fixed-point grid (what is encrypted, and what
+    every party steps with).
+
+    Both terms are rounded to the grid on their own and added as integers, so ϑ̃·2^THETA_BITS is
+    rint(ϑ·2^THETA_BITS) plus a noise drawn without looking at ϑ: shifting the integer input is
+    post-processing of the continuous Gaussian mechanism, whose sensitivity is then 1 + 2^-THETA_BITS
+    (one label moves the logistic ϑ by exactly 1, its rounding by at most one more grid step).
+    """
+    grid = 2.0**THETA_BITS
+    noise = rng.normal(0.0, sigma, thetas.shape)
+    if not np.all(np.abs(noise) < 2.0**VALUE_BITS):
+        raise OverflowError(f"label-DP noise left ±2^{VALUE_BITS}")
+    return (np.rint(np.asarray(thetas, dtype=np.float64) * grid) + np.rint(noise * grid)) / grid
 
 
 class LabelKey:
@@ -131,6 +196,10 @@ class LabelKey:
         self._big = phe.BigintEncoder(_schema(scheme))
         self._encryptor = self._kit.encryptor()
         self._decryptor = self._kit.decryptor()
+        #: Paillier: the replies are reduced into [0, n) before the 128 bits go back (module doc)
+        self._modulus = paillier_modulus(self._kit.public_key()) if scheme == "paillier" else None
+        if scheme == "paillier" and self._modulus is None:
+            raise RuntimeError("HEU's Paillier key does not describe its modulus as expected")
 
     def public_bytes(self) -> bytes:
         return self._kit.public_key().serialize()
@@ -144,7 +213,8 @@ class LabelKey:
         return self._encryptor.encrypt(self._kit.array(encoded, self._encoder)).serialize()
 
     def decrypt_masked(self, source: int, payload: bytes, batch: int) -> np.ndarray:
-        """(g_j + r_j) mod 2^RETURN_BITS of a passive party's reply, as two uint64 words per value.
+        """(g_j + r_j) mod 2^RETURN_BITS of a passive party's reply, as two uint64 words per value
+        (Paillier: of the decryption in [0, n)).
 
         Refuses a reply of ``batch`` or more values: decrypting it would let its sender solve the
         batch's ϑ from its gradient (module doc).
@@ -166,7 +236,8 @@ class LabelKey:
         except Exception as err:
             raise ProtocolViolation(source, "masked gradient",
                                     f"does not decrypt ({_first_line(err)})") from None
-        return _to_words([int(v) % (1 << RETURN_BITS) for v in values])
+        canonical = [int(v) % self._modulus for v in values] if self._modulus else [int(v) for v in values]
+        return _to_words([v % (1 << RETURN_BITS) for v in canonical])
 
 
 class BlockGradient:
@@ -184,9 +255,17 @@ class BlockGradient:
             raise ProtocolViolation(source, _WHAT_KEY, f"does not parse ({_first_line(err)})") from None
         if self._kit.get_schema() != _schema(scheme):
             raise ProtocolViolation(source, _WHAT_KEY, f"is not a {scheme} key")
-        bound = self._kit.public_key().plaintext_bound()
-        if int(str(bound)) < 1 << (MASK_BITS + 2):
-            raise ProtocolViolation(source, _WHAT_KEY, "has a plaintext space too small for the masks")
+        self.scheme = scheme
+        bound = int(str(self._kit.public_key().plaintext_bound()))
+        #: Paillier: n, the masks are uniform below it; OU: None, masks of ou_mask_bits(key_bits) bits
+        self._modulus: int | None = None
+        if scheme == "paillier":
+            self._modulus = paillier_modulus(self._kit.public_key())
+            if self._modulus is None or self._modulus % 2 == 0 or self._modulus.bit_length() != key_bits:
+                raise ProtocolViolation(source, _WHAT_KEY, f"is not an odd {key_bits}-bit Paillier modulus")
+        elif bound < 1 << (ou_mask_bits(key_bits) + 1):
+            raise ProtocolViolation(source, _WHAT_KEY,
+                                    f"has a plaintext space too small for a {key_bits}-bit key's masks")
         self.source = source
         self.key_bits = key_bits  # the job's, public: bounds what is parsed
         self._encoder = phe.IntegerEncoder(_schema(scheme), 1)
@@ -198,21 +277,20 @@ class BlockGradient:
         if data.size and not np.all(np.abs(data) < 2.0**VALUE_BITS):
             raise ValueError(f"--label-privacy he needs features within ±2^{VALUE_BITS} (fixed point); "
                              f"scale the data")
-        self._encode(data)
-        self._masks: list[int] | None = None
-
-    def _encode(self, data: np.ndarray) -> None:
-        """The features in fixed point: integers as they are, anything else with FEATURE_BITS."""
         self.feature_bits = 0 if np.all(data == np.rint(data)) else FEATURE_BITS
         self._encoded = np.rint(data * 2.0**self.feature_bits).astype(np.int64)
+        self._masks: list[int] | None = None
+        self._bounds: np.ndarray | None = None
 
-    def clip_rows(self, scale: np.ndarray) -> None:
-        """Compute the gradients from rows scaled by ``scale`` (one factor ≤ 1 per row: the row
-        clipping of ``--clip-quantile``); the block itself, and so the forward pass, is unchanged."""
-        blk = self.block
-        if scale.shape != (blk.n_rows,) or not np.all((scale > 0) & (scale <= 1)):
-            raise ValueError("row scales must be one factor in (0, 1] per row")
-        self._encode(np.asarray(blk.data, dtype=np.float64) * np.repeat(scale, np.diff(blk.indptr)))
+    def draw_masks(self, count: int) -> tuple[list[int], list[int]]:
+        """``count`` fresh masks r (Paillier: uniform on [0, n); OU: on [0, 2^ou_mask_bits)) and their
+        encodings for the library (Paillier: the representative in (−n/2, n/2], HEU's plaintext range)."""
+        if self._modulus is None:
+            masks = [secrets.randbits(ou_mask_bits(self.key_bits)) for _ in range(count)]
+            return masks, masks
+        n = self._modulus
+        masks = [secrets.randbelow(n) for _ in range(count)]
+        return masks, [r if r <= n // 2 else r - n for r in masks]
 
     def masked(self, payload: bytes, rows: np.ndarray) -> bytes:
         """[[X_Bᵀϑ + r]] for the batch ``rows`` from the encrypted ϑ's in ``payload``; keeps r."""
@@ -227,6 +305,8 @@ class BlockGradient:
                                     f"not a ciphertext array ({_first_line(err)})") from None
         if cts.ndim != 1 or cts.size != b:
             raise ProtocolViolation(self.source, _WHAT_CT, f"{cts.size} ciphertexts for {b} rows")
+        if self._modulus is not None:
+            self._check_jacobi(cts)
         blk = self.block
         starts, ends = blk.indptr[rows], blk.indptr[rows + 1]
         nnz = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)]) \
@@ -234,10 +314,16 @@ class BlockGradient:
         position = np.repeat(np.arange(b), ends - starts)  # which ciphertext each non-zero multiplies
         columns = blk.indices[nnz]
         d = blk.n_cols
+        # what honest ϑ's (|ϑ| < 2^VALUE_BITS) can make of each column: the check after unmasking
+        self._bounds = np.bincount(columns, weights=np.abs(self._encoded[nnz]).astype(np.float64),
+                                   minlength=d) * 2.0**(VALUE_BITS + THETA_BITS)
+        if np.any(self._bounds >= 2.0**(RETURN_BITS - 2)):
+            raise ValueError(f"a column's gradient over {b} rows could leave the {RETURN_BITS}-bit return "
+                             f"width: scale the features")
         ev = self._evaluator
         # one fresh encryption per column: an encrypted zero where the batch has no non-zero
-        self._masks = [int.from_bytes(os.urandom(MASK_BITS // 8), "little") for _ in range(d)]
-        masks = self._encryptor.encrypt(self._kit.array(np.array(self._masks, dtype=object), self._big))
+        self._masks, encoded_masks = self.draw_masks(d)
+        masks = self._encryptor.encrypt(self._kit.array(np.array(encoded_masks, dtype=object), self._big))
         if nnz.size == 0:
             return masks.serialize()
         terms = cts[position.tolist()]
@@ -255,32 +341,39 @@ class BlockGradient:
             sums = zero
         return ev.add(sums, masks).serialize()
 
+    def _check_jacobi(self, cts) -> None:
+        """Paillier: every ciphertext of the batch has Jacobi symbol +1 mod n, checked on JACOBI_PROBES
+        random subset sums (module doc). HEU's text form of a ciphertext is c·2^(60k) mod n² for its
+        Montgomery arithmetic; 2^(60k) is a square, so the symbol is c's own."""
+        n, size = self._modulus, cts.size
+        rng = np.random.default_rng()  # OS entropy: the dominator must not know the subsets
+        picks = [p.tolist() for p in (np.flatnonzero(rng.random(size) < 0.5) for _ in range(JACOBI_PROBES))
+                 if p.size]
+        sums = self._evaluator.batch_select_sum(cts, picks)
+        for k in range(len(picks)):
+            if gmpy2.jacobi(int(str(sums[k])) % n, n) != 1:
+                raise ProtocolViolation(self.source, _WHAT_CT,
+                                        "holds a ciphertext whose Jacobi symbol is not +1: no honest "
+                                        "encryption has one, and the reply would show a parity of the "
+                                        "features")
+
     def unmask(self, words: np.ndarray) -> np.ndarray:
-        """The batch gradient Σ_i ϑ_i x_i (float64, d_l values) from the active party's reply."""
-        assert self._masks is not None, "masked() first"
+        """The batch gradient Σ_i ϑ_i x_i (float64, d_l values) from the active party's reply; a value no
+        honest batch can sum to ends the job naming the active party (module doc)."""
+        assert self._masks is not None and self._bounds is not None, "masked() first"
         values = _from_words(self.source, words, len(self._masks))
         full = 1 << RETURN_BITS
         out = np.empty(len(values))
         for j, (v, r) in enumerate(zip(values, self._masks, strict=True)):
             g = (v - r) % full
-            out[j] = (g - full if g >= full >> 1 else g) / 2.0**(THETA_BITS + self.feature_bits)
-        self._masks = None
+            g = g - full if g >= full >> 1 else g
+            if abs(g) > self._bounds[j]:
+                raise ProtocolViolation(self.source, _WHAT_REPLY, f"column {j} unmasks to {abs(g):.3g}·2^-"
+                                        f"{THETA_BITS + self.feature_bits}, more than the batch's ϑ's can "
+                                        f"sum to: the decryption wrapped, which no honest key and reply do")
+            out[j] = g / 2.0**(THETA_BITS + self.feature_bits)
+        self._masks = self._bounds = None
         return out
-
-
-def add_noise(words: np.ndarray, noise: np.ndarray, fraction_bits: int) -> np.ndarray:
-    """The active party's side of ``--epsilon``: add ``noise`` (one float per value) to decrypted
-    values (g_j + r_j) mod 2^RETURN_BITS in the passive party's fixed point (``fraction_bits`` =
-    THETA_BITS + its feature bits), so that the party unmasks g_j + noise_j and never g_j."""
-    if words.dtype != np.uint64 or words.shape != (2 * noise.size,):
-        raise ValueError(f"{words.size} words for {noise.size} noise values")
-    if not np.all(np.abs(noise) < 2.0**VALUE_BITS):  # NaN too: the fixed point must not wrap
-        raise OverflowError(f"label-DP noise left ±2^{VALUE_BITS}")
-    full = 1 << RETURN_BITS
-    values = _from_words(-1, words, noise.size)  # our own decryption: the shape is checked above
-    # a float64 times 2^k is an exact integer: the noise keeps its 53 bits, the sum is exact mod 2^128
-    offsets = np.rint(noise * 2.0**fraction_bits).tolist()
-    return _to_words([(v + int(o)) % full for v, o in zip(values, offsets, strict=True)])
 
 
 def _first_line(err: Exception) -> str:
@@ -296,7 +389,7 @@ def _to_words(values: list[int]) -> np.ndarray:
 
 def _from_words(source: int, words: np.ndarray, count: int) -> list[int]:
     if words.dtype != np.uint64 or words.shape != (2 * count,):
-        raise ProtocolViolation(source, "decrypted gradient", f"{words.size} words, expected {2 * count}")
+        raise ProtocolViolation(source, _WHAT_REPLY, f"{words.size} words, expected {2 * count}")
     pairs = words.reshape(count, 2).tolist()
     return [lo | (hi << 64) for lo, hi in pairs]
 

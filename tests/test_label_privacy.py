@@ -15,12 +15,10 @@ from parties.plan import JobPlan, label_dp_releases, resolve
 from tests.test_runtime import train
 from vertical.datasets import load
 from vertical.label_privacy import (
-    clip_scales,
     flip_probability,
     gaussian_epsilon,
     gaussian_noise_multiplier,
     randomized_response,
-    row_norm_bound,
 )
 
 
@@ -158,23 +156,14 @@ def test_noisy_he_refuses_what_the_accounting_does_not_cover():
     with pytest.raises(TypeError):  # σ is derived in the plan: no option can set it, not even a stale one
         RunConfig(**{**base, "noise_multiplier": 0.5})
     assert resolve(RunConfig(**{**base, "epsilon": None})).noise_multiplier is None
-    for bad, message in ((dict(clip_quantile=0.0), r"\(0, 1\]"), (dict(clip_quantile=1.5), r"\(0, 1\]"),
-                         (dict(clip_quantile=0.9, epsilon=None), "only bias the steps")):
-        with pytest.raises(ConfigError, match=message):
-            validate(RunConfig(**{**base, **bad}))
-
-
-def test_clipping_bounds_every_row_at_a_quantile_of_the_norms_and_leaves_the_rest():
-    norms = np.array([0.0, 1.0, 2.0, 3.0, 4.0, 100.0])
-    assert row_norm_bound(norms) == 100.0  # quantile 1: the largest row, no clipping
-    bound = row_norm_bound(norms, 0.6)
-    assert bound in norms and bound == 3.0  # an actual row's norm
-    scale = clip_scales(norms, bound)
-    assert np.array_equal(scale[:4], np.ones(4))  # rows within the bound (the empty one too) unchanged
-    assert np.allclose(norms * scale, np.minimum(norms, bound))
-    assert row_norm_bound(np.zeros(0), 0.5) == 0.0
-    with pytest.raises(ValueError, match="quantile"):
-        row_norm_bound(norms, 0.0)
+    # the noise is on ϑ now (sensitivity 1 whatever the rows): row clipping is gone, refused in one line
+    validate(RunConfig(**{**base, "clip_quantile": 1.0}))
+    for quantile in (0.95, 0.0):
+        with pytest.raises(ConfigError, match=r"--clip-quantile is gone: .*noise to ϑ.*drop the option"):
+            validate(RunConfig(**{**base, "clip_quantile": quantile}))
+    # an ε so small that σ would not fit the encryption's fixed point is refused, not a "diverged" stop
+    with pytest.raises(ConfigError, match="beyond what the encryption's fixed point holds"):
+        resolve(RunConfig(**{**base, "epsilon": 1e-6}))
 
 
 def test_noisy_he_needs_the_logistic_loss_whose_sensitivity_the_noise_is_sized_for():

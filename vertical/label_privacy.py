@@ -1,5 +1,5 @@
 """ε-label differential privacy: randomized response on the labels (``--label-privacy dp``), and the
-accountant of the Gaussian noise that ``--label-privacy he --epsilon`` adds to every batch gradient.
+accountant of the Gaussian noise that ``--label-privacy he --epsilon`` adds to every ϑ it encrypts.
 
 Why randomized response: in VFB² every label-dependent number another party sees (ϑ on each update,
 the full ϑ vectors, the stop decisions) is computed from the labels the active party trains with. If
@@ -40,14 +40,24 @@ def randomized_response(y: np.ndarray, epsilon: float, rng: np.random.Generator)
     return np.where(flip, -y, y)
 
 
-# ------------------------------------------------------------------ Gaussian noise on batch gradients
+# --------------------------------------------------------------- Gaussian noise on ϑ, before encryption
 #
-# ``--label-privacy he --epsilon``: every block's batch gradient X_Bᵀϑ_B gets N(0, (σC)²) noise per
-# coordinate, where C bounds a full row's norm ‖x_i‖. Changing one label moves the logistic ϑ_i by
-# exactly 1 (ϑ(z, +1) − ϑ(z, −1) = −σ(−z) − σ(z) = −1), so it moves the joint gradient by ‖x_i‖ ≤ C:
-# each release is the Gaussian mechanism with noise multiplier σ for the rows of its batch. For every
-# other row it reveals nothing new: the model it was computed at is itself built from earlier noisy
-# releases (every party, active ones included, steps from the noisy gradient only).
+# ``--label-privacy he --epsilon``: the dominator encrypts ϑ̃_i = ϑ_i + N(0, σ²) for every row of every
+# batch (input perturbation), and every party, active ones included, steps with ϑ̃. Changing one label
+# moves the logistic ϑ_i by exactly 1 (ϑ(z, +1) − ϑ(z, −1) = −σ(−z) − σ(z) = −1, for every z) and no
+# other value of the batch, so each batch is the Gaussian mechanism with noise multiplier σ for its rows.
+# For every other row it reveals nothing new, because the model it was computed at is built from
+# earlier releases ϑ̃ only: that is why the active parties step with ϑ̃ too. Were the dominator's own
+# block to step with the true ϑ, every later ϑ would depend on earlier labels through that block, and
+# the releases would no longer compose per row.
+#
+# Why the noise is on ϑ and not on the decrypted batch gradients (the first version of this mode): a
+# passive party chooses what it sends back for decryption, including the batch's own ciphertexts, or a
+# combination that lifts ϑ far above any noise added after decryption. With the noise inside the
+# ciphertexts, every value a passive party can get decrypted is a function of ϑ̃ and of its own
+# choices: post-processing, so the guarantee holds whatever it sends. The accounting is unchanged: one
+# release per row per pass, sensitivity 1 in units of ϑ where it was C in units of the gradient, the
+# same σ per unit of sensitivity, so no row norm bounds enter it any more (nor can a party misstate one).
 #
 # No amplification by subsampling: a passive party needs the row numbers of each batch to compute its
 # block's gradient, so it knows which rows each release is about. A row's privacy loss is therefore the
@@ -88,32 +98,3 @@ def gaussian_noise_multiplier(epsilon: float, delta: float, releases: int) -> fl
         else:
             high = mid
     return high
-
-
-# Row clipping (``--clip-quantile Q``): C is set by the largest row, so one outlier row sizes the noise
-# of every release (D1's largest row has norm 105 against a median of 3.6). Each party may instead bound
-# its block's rows at the Q-quantile of their norms, c_l, and compute its *gradients* from the rows
-# scaled down to that norm, x_i^(l) · min(1, c_l / ‖x_i^(l)‖) (per-example clipping, as in DP-SGD, done
-# per block because no party sees another's features). One label then moves the joint gradient by at
-# most C = √(Σ_l c_l²). The forward pass, the model and predictions use the rows as they are; only the
-# steps are biased, for the rows above their block's bound. The bounds come from features, not labels,
-# so sharing them costs no label privacy.
-
-
-def row_norm_bound(norms: np.ndarray, quantile: float = 1.0) -> float:
-    """A block's row-norm bound c_l: the ``quantile`` of its rows' norms (an actual row's norm; 1 = the
-    largest, no clipping)."""
-    if not 0 < quantile <= 1:
-        raise ValueError(f"the clipping quantile must lie in (0, 1], got {quantile}")
-    norms = np.asarray(norms, dtype=np.float64)
-    if norms.size == 0:
-        return 0.0
-    return float(np.quantile(norms, quantile, method="higher"))
-
-
-def clip_scales(norms: np.ndarray, bound: float) -> np.ndarray:
-    """Per-row factors min(1, bound / ‖x_i‖) that bring every row's norm to at most ``bound``."""
-    norms = np.asarray(norms, dtype=np.float64)
-    scale = np.ones_like(norms)
-    np.divide(bound, norms, out=scale, where=norms > bound)
-    return scale

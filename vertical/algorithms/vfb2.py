@@ -180,12 +180,6 @@ class UpdateRule(ABC):
         are what the dominator encrypts for passive parties."""
         return thetas
 
-    def apply_noise(self, w: np.ndarray, noise_sum: np.ndarray) -> None:
-        """Add noise to a batch's summed block gradient after the step from it (``--label-privacy he
-        --epsilon``): the step is linear in the sum, so this is the step from Σ_b ϑ_b x_b + noise."""
-        self._require_eager("apply_noise")
-        w -= (self.gamma / self.batch_size) * noise_sum
-
     def _require_eager(self, what: str) -> None:
         if self.lazy:
             raise RuntimeError(f"{what} needs the eager kernels (lazy=False)")
