@@ -189,6 +189,7 @@ def _figure(rows: list[dict], path: Path) -> None:
         ax.set_xticks(range(len(datasets)), datasets, rotation=20)
         ax.set_xlabel("dataset")
     acc.axhline(0, color="black", linewidth=0.8)
+    acc.axhline(-0.5, color="black", linestyle=":", linewidth=0.8, label="0.5 points below NonF")
     acc.set_ylabel("test accuracy − NonF (points; floor −20)")
     acc.set_title("accuracy after the README's epochs")
     loss.axhline(np.log(2), color="black", linestyle="--", linewidth=0.8, label="loss at w = 0 (log 2)")
