@@ -169,14 +169,14 @@ def _read(path: Path, n_features: int | None = None) -> tuple[dict[str, np.ndarr
     try:
         with np.load(path, allow_pickle=False) as z:
             for key in ("epochs", "train_time", "updates"):
-                if _member_shape(z, key) != ():
+                if npz_member_shape(z, key) != ():
                     raise ValueError(f"{key} is not one number")
             arrays = {key: z[key] for key in ("epochs", "train_time", "updates")}
             if "gamma" in z.files:
-                if _member_shape(z, "gamma") != ():
+                if npz_member_shape(z, "gamma") != ():
                     raise ValueError("gamma is not one number")
                 arrays["gamma"] = z["gamma"]
-            shape = _member_shape(z, "w")
+            shape = npz_member_shape(z, "w")
             if n_features is not None and shape == (n_features,):
                 arrays["w"] = z["w"]
             return arrays, shape
@@ -184,8 +184,9 @@ def _read(path: Path, n_features: int | None = None) -> tuple[dict[str, np.ndarr
         raise ValueError(f"{path} is damaged ({exc})") from None
 
 
-def _member_shape(z: np.lib.npyio.NpzFile, key: str) -> tuple[int, ...]:
-    """The shape the header of the array ``key`` of an npz announces, read without the array."""
+def npz_member_shape(z: np.lib.npyio.NpzFile, key: str) -> tuple[int, ...]:
+    """The shape the header of the array ``key`` of an npz announces, read without the array (a planted
+    file could announce gigabytes)."""
     with z.zip.open(f"{key}.npy") as fh:
         version = np.lib.format.read_magic(fh)
         fmt = np.lib.format

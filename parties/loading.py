@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from parties.checkpoint import atomic_write
+from parties.checkpoint import atomic_write, npz_member_shape
 from parties.plan import JobPlan
 from parties.runtime import PartyState
 from vertical.algorithms.registry import get_algorithm
@@ -92,14 +92,17 @@ def read_scaling(path: Path, n_cols: int, mode: str, digest: np.ndarray | None =
     if not path.exists():
         raise ValueError(f"{path} is missing: the run's --standardize statistics are kept there; start "
                          "the run again without --resume")
+    foreign = False
     try:
         with np.load(path, allow_pickle=False) as z:
-            shift, scale, saved_mode, saved = z["shift"], z["scale"], str(z["mode"]), z["ids_digest"]
+            shapes = [npz_member_shape(z, key) for key in ("shift", "scale", "mode", "ids_digest")]
+            foreign = shapes != [(n_cols,), (n_cols,), (), (32,)]  # checked before any array is read
+            if not foreign:
+                shift, scale, saved_mode, saved = z["shift"], z["scale"], str(z["mode"]), z["ids_digest"]
     except (OSError, KeyError, ValueError, EOFError) as err:
         raise ValueError(f"{path} is damaged ({err}); start the run again without --resume") from None
-    if (saved_mode != mode or shift.shape != (n_cols,) or scale.shape != (n_cols,)
-            or shift.dtype.kind != "f" or scale.dtype.kind != "f" or not np.isfinite(shift).all()
-            or not (np.isfinite(scale).all() and (scale > 0).all())
+    if (foreign or saved_mode != mode or shift.dtype.kind != "f" or scale.dtype.kind != "f"
+            or not np.isfinite(shift).all() or not (np.isfinite(scale).all() and (scale > 0).all())
             or (digest is not None and not np.array_equal(saved, digest))):
         raise ValueError(f"{path} is not this run's --standardize {mode} statistics for {n_cols} columns "
                          "(other rows, columns or mode); start the run again without --resume")
