@@ -291,7 +291,7 @@ def check_he_features(c: RunConfig, passive_blocks) -> None:
     from protocols.label_he import VALUE_BITS
 
     if c.label_privacy != "he" or c.standardize != "off":
-        return  # scaled by the root mean square or the spread, no value exceeds √n (far below 2^20)
+        return  # scaled (non-zero values' root mean square, or spread), no training value exceeds √n
     largest = max((float(abs(X).max()) if X.shape[0] * X.shape[1] else 0.0 for X in passive_blocks),
                   default=0.0)
     if not largest < 2.0**VALUE_BITS:  # NaN too
