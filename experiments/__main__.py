@@ -64,6 +64,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                       "label inference by a curious passive party from its own transcript, per mode"),
     "default_step": ("experiments.bench_default_step",
                      "test accuracy without --gamma (the step derived from the data) vs NonF, B = 1 and 64"),
+    "default_step_scan": ("experiments.default_step_scan",
+                          "candidate default steps simulated in one process: accuracy vs NonF in seconds"),
     "feddro_toy": ("experiments.feddro_toy", "FedDRO vs FedAvg-CO on closed-form problems (Thm 4.1, Fig. 6)"),
 }
 

@@ -1,8 +1,8 @@
 """A generated LIBSVM file whose features are not scaled: the case a constant default step cannot fit.
 
-Each feature is a standard normal times its own scale, the scales spread evenly in log from 1 to 100,
-as raw measurements in different units are; the label is the sign of a linear score of the
-*standardised* features plus noise, so every feature carries signal whatever its scale. Sparse
+Each feature is a standard normal times its own scale, the scales spread evenly in log from 1 to
+10,000 (``top``), as raw measurements in different units are; the label is the sign of a linear score
+of the *standardised* features plus noise, so every feature carries signal whatever its scale. Sparse
 (``density`` of the cells), as LIBSVM files usually are. The same seed writes the same file.
 """
 
@@ -16,10 +16,10 @@ ROWS, COLUMNS = 5000, 300
 
 
 def write_unscaled_libsvm(path: Path, *, rows: int = ROWS, columns: int = COLUMNS, density: float = 0.1,
-                          noise: float = 0.5, seed: int = 0) -> Path:
+                          noise: float = 0.5, seed: int = 0, top: float = 1e4) -> Path:
     """Write the file (labels ±1, 1-based indices) and return ``path``."""
     rng = np.random.default_rng(seed)
-    scales = np.logspace(0.0, 2.0, columns)
+    scales = np.logspace(0.0, np.log10(top), columns)
     present = rng.random((rows, columns)) < density
     standard = rng.standard_normal((rows, columns)) * present
     w = rng.standard_normal(columns)

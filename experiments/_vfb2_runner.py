@@ -185,9 +185,11 @@ def gamma_for(dataset: str, algorithm: str, problem: str = "logistic", default: 
 def job_config(dataset: str | None, problem: str, algorithm: str, gamma: float, *, f_star: float | None,
                parties: int = 4, active: int = 2, lam: float = 1e-4, **options) -> RunConfig:
     """A :class:`RunConfig` with the reproductions' defaults (λ = 1e-4, no progress bar, known f*;
-    ``f_star=None``: no reference at all, the launcher does not solve for one)."""
+    ``f_star=None``: no reference at all, the launcher does not solve for one). The features are the
+    paper's, as the loaders scale them (``--standardize off``), which is also what :func:`nonf` solved."""
     fields = dict(parties=parties, active=active, problem=problem, algorithm=algorithm, gamma=gamma,
-                  lam=lam, f_star=f_star, reference=f_star is not None, progress=False, **options)
+                  lam=lam, f_star=f_star, reference=f_star is not None, progress=False,
+                  **{"standardize": "off", **options})
     if dataset is not None:
         fields["dataset"] = dataset
     return RunConfig(**fields)

@@ -207,7 +207,9 @@ def main(argv: list[str] | None = None) -> None:
             # the run's folder (checkpoints, the audit transcripts) is not a result: gone after the attack
             with tempfile.TemporaryDirectory(prefix="vfl-attack-") as tmp:
                 work = Path(tmp)
-                config = RunConfig(**{"parties": 4, "active": 1, "dataset": dataset,
+                # the recorded results' step and features: the paper's γ = 0.05, the data as loaded
+                config = RunConfig(**{"parties": 4, "active": 1, "dataset": dataset, "gamma": 0.05,
+                                      "standardize": "off",
                                       "algorithm": args.algorithm, "epochs": args.epochs, "audit": True,
                                       "out": str(work), "progress": False, **MODES[mode],
                                       **({"gamma": args.he_gamma} if args.he_gamma and mode.startswith("he")

@@ -1,9 +1,10 @@
 """Per-party checkpoints: each party saves only its own block (never anyone else's), consistently.
 
 A party's checkpoint is ``party-<rank>.ckpt.npz`` in the party's own folder (``--party-dir``, by
-default the run's ``--out``; only that party writes or reads it): its block ``w``, the epochs and dominated
-updates done and the training time spent. The algorithm state (SVRG snapshot, SAGA table) is rebuilt
-from the restored ``w`` by the next full pass, which is the same as starting a new outer loop there.
+default the run's ``--out``; only that party writes or reads it): its block ``w``, the epochs and
+dominated updates done, the training time spent and the base step γ (so a resumed run steps as it
+started). The algorithm state (SVRG snapshot, SAGA table) is rebuilt from the restored ``w`` by the
+next full pass, which is the same as starting a new outer loop there.
 
 Why a manifest: an interrupt can stop the parties between their writes, leaving some blocks one
 epoch ahead of the others, and mixing them would resume from a model no run ever had. So an epoch is
@@ -44,6 +45,8 @@ class Checkpoint:
     epochs: float
     train_time: float
     updates: int
+    #: the run's base step (None in a checkpoint written before it was kept)
+    gamma: float | None = None
 
 
 def checkpoint_path(out: str | Path, rank: int) -> Path:
@@ -71,7 +74,7 @@ def atomic_write(path: Path, write) -> None:
 
 
 def save_checkpoint(out: str | Path, rank: int, w: np.ndarray, epochs: float, train_time: float,
-                    updates: int, keep: float | None = None) -> Path:
+                    updates: int, keep: float | None = None, gamma: float | None = None) -> Path:
     """Write this party's block for the epoch just finished without losing the last marked one.
 
     ``keep`` is the last epoch the leader marked complete (``None``: none of this run yet). The newest
@@ -83,7 +86,9 @@ def save_checkpoint(out: str | Path, rank: int, w: np.ndarray, epochs: float, tr
     held = _epochs_in(path) if keep is not None else None
     if held is not None and abs(held - keep) <= 1e-9:
         os.replace(path, _previous_path(out, rank))
-    atomic_write(path, lambda fh: np.savez(fh, w=w, epochs=epochs, train_time=train_time, updates=updates))
+    extra = {} if gamma is None else {"gamma": gamma}
+    atomic_write(path, lambda fh: np.savez(fh, w=w, epochs=epochs, train_time=train_time, updates=updates,
+                                           **extra))
     return path
 
 
@@ -164,10 +169,14 @@ def _read(path: Path, n_features: int | None = None) -> tuple[dict[str, np.ndarr
     try:
         with np.load(path, allow_pickle=False) as z:
             for key in ("epochs", "train_time", "updates"):
-                if _member_shape(z, key) != ():
+                if npz_member_shape(z, key) != ():
                     raise ValueError(f"{key} is not one number")
             arrays = {key: z[key] for key in ("epochs", "train_time", "updates")}
-            shape = _member_shape(z, "w")
+            if "gamma" in z.files:
+                if npz_member_shape(z, "gamma") != ():
+                    raise ValueError("gamma is not one number")
+                arrays["gamma"] = z["gamma"]
+            shape = npz_member_shape(z, "w")
             if n_features is not None and shape == (n_features,):
                 arrays["w"] = z["w"]
             return arrays, shape
@@ -175,8 +184,9 @@ def _read(path: Path, n_features: int | None = None) -> tuple[dict[str, np.ndarr
         raise ValueError(f"{path} is damaged ({exc})") from None
 
 
-def _member_shape(z: np.lib.npyio.NpzFile, key: str) -> tuple[int, ...]:
-    """The shape the header of the array ``key`` of an npz announces, read without the array."""
+def npz_member_shape(z: np.lib.npyio.NpzFile, key: str) -> tuple[int, ...]:
+    """The shape the header of the array ``key`` of an npz announces, read without the array (a planted
+    file could announce gigabytes)."""
     with z.zip.open(f"{key}.npy") as fh:
         version = np.lib.format.read_magic(fh)
         fmt = np.lib.format
@@ -211,7 +221,10 @@ def _restored(path: Path, rank: int, n_features: int, epochs: float) -> Checkpoi
     w = w.astype(np.float64)
     if not np.all(np.isfinite(w)):
         raise ValueError(f"{path} is damaged: the block holds NaN or infinite weights")
-    return Checkpoint(w, epochs, float(train_time), int(updates))
+    gamma = _scalar(z, "gamma", path) if "gamma" in z else None
+    if gamma is not None and not (math.isfinite(gamma) and gamma > 0):
+        raise ValueError(f"{path} is damaged: gamma {gamma!r} is not a positive step")
+    return Checkpoint(w, epochs, float(train_time), int(updates), None if gamma is None else float(gamma))
 
 
 def _epochs_in(path: Path) -> float | None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vertical.algorithms.registry import ALGORITHMS, MODES, get_algorithm
+from vertical.standardize import MODES as STANDARDIZE_MODES
 
 #: ``--updates auto`` goes lazy from this block width: below it the eager kernels' dense loop is
 #: cheaper than the lazy bookkeeping (measured: eager faster per update at d_l ≤ 1e3, lazy at 1e4;
@@ -38,6 +39,9 @@ HE_ALGORITHMS = ("sgd", "svrg")
 #: protocols.label_he's SCHEMES and KEY_BITS (tests/test_options.py checks that they agree).
 HE_SCHEMES = ("ou", "paillier")
 HE_KEY_BITS = (2048, 3072, 4096)
+
+#: --standardize: scale each column by its root mean square, centre and scale it, or neither.
+STANDARDIZE = STANDARDIZE_MODES
 
 #: Largest mini-batch: one step's (ϑ, i) message and aggregation request must fit the runtime's
 #: receive buffer (``parties.runtime.MAX_MESSAGE_WORDS``).
@@ -91,16 +95,19 @@ def _step_or_auto(text: str) -> float | None:
 
 def option(default: Any, *flags: str, help: str | None = None, check: Check | None = None,
            parse: Callable[[str], Any] | None = None,
-           choices: tuple | None = None, metavar: str | None = None, budget: bool = False) -> Any:
+           choices: tuple | None = None, metavar: str | None = None, budget: bool = False,
+           spelled: str | None = None) -> Any:
     """One row of the table: the field's default plus how the command line spells and checks it.
     ``choices`` restrict the parser; validation checks them too unless ``check`` says otherwise.
     ``budget``: the option may change when a run is resumed (how long it trains, what it shows, where
     it is); every other option defines the model, and ``--resume`` keeps the run's (parties.resume).
-    ``parse``: how the command line's text becomes the value (default: the field's type)."""
+    ``parse``: how the command line's text becomes the value (default: the field's type).
+    ``spelled``: the default as the command line spells it (``--help`` shows it; ``parse`` reads it)."""
     if choices is not None and check is None:
         check = one_of(choices)
     return field(default=default, metadata={"flags": flags, "help": help, "check": check, "parse": parse,
-                                            "choices": choices, "metavar": metavar, "budget": budget})
+                                            "choices": choices, "metavar": metavar, "budget": budget,
+                                            "spelled": spelled})
 
 
 def _algorithm_help() -> str:
@@ -152,10 +159,17 @@ class RunConfig:
         help="send each step's (ϑ, i) inside the next step's aggregation request: 3(q − 1) messages per "
              "update instead of 4(q − 1); the broadcast waits for the next request (async mode)")
     gamma: float | None = option(
-        0.05, "--gamma", check=positive(), parse=_step_or_auto, metavar="GAMMA|auto",
-        help="learning rate γ (0.05: the paper's grid, for scaled features); auto: from the data, "
-             "1/(L(B) + λ) with L(B) the expected smoothness of B-row batches (Gower et al. 2019), bounded "
-             "from each party's largest and mean squared row norm; the run prints the γ it chose")
+        None, "--gamma", check=positive(), parse=_step_or_auto, metavar="GAMMA|auto", spelled="auto",
+        help="learning rate γ; default (or auto): derived from the data at start, 1/(L(B) + λ) with L(B) "
+             "the expected smoothness of B-row batches, from each party's row norms and Gram eigenvalue "
+             "(docs/usage.md); the run prints the γ it chose. 0.05: the paper's grid")
+    standardize: str = option(
+        "on", "--standardize", choices=STANDARDIZE,
+        help="each party scales its own columns by its training rows' statistics, kept in its folder for "
+             "--resume and predict: on: divide by the root mean square of its non-zero values (zeros "
+             "and 0/1 indicators stay as they are); center: "
+             "subtract the mean, divide by the standard deviation (dense data); off: as given (the "
+             "paper's runs)")
     gamma_decay: float = option(0.0, "--gamma-decay",
                                 help="step size γ/(1 + decay·e) in epoch e = 0, 1, ... "
                                      "(0: constant, the paper's)",
@@ -440,7 +454,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None, *, defaults: boo
                                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f, kind in _rows():
         meta = f.metadata
-        extra: dict[str, Any] = {"dest": f.name, "default": f.default if defaults else argparse.SUPPRESS}
+        default = f.default if meta["spelled"] is None else meta["spelled"]  # argparse parses a str default
+        extra: dict[str, Any] = {"dest": f.name, "default": default if defaults else argparse.SUPPRESS}
         if kind is bool:  # a switch: its flag turns the default over
             extra["action"] = "store_false" if f.default else "store_true"
         else:

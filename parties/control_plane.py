@@ -159,16 +159,19 @@ class ControlPlane:
         self.audit.record(root, AUDIT_HE_KEY, label_he.bytes_to_words(key.tobytes()))
         return key.tobytes()
 
-    def gather_row_norms(self, max_squared: float, mean_squared: float) -> np.ndarray:
-        """Every party's ``(max_i ‖x_il‖², mean_i ‖x_il‖²)``, ``[q, 2]`` float64: the two numbers the
-        default step is derived from (``vertical.step_size``). A pair that is not finite and ≥ 0 would
-        make every party's step wrong, so it ends the job naming its sender."""
-        every = self._from_everyone(np.array([max_squared, mean_squared], dtype=np.float64), TAG_GATHER)
-        for sender, (largest, mean) in enumerate(every):
-            if not (np.isfinite(largest) and np.isfinite(mean) and 0 <= mean <= largest):
+    def gather_row_norms(self, largest: float, quantile: float, spectral: float) -> np.ndarray:
+        """Every party's :func:`vertical.step_size.block_smoothness`, ``[q, 3]`` float64: the largest and
+        the 99.9th-percentile squared row norm of its block and its Gram matrix's top eigenvalue over n,
+        what the default step is derived from. A triple that is not finite with 0 <= quantile <= largest
+        and 0 <= eigenvalue <= largest would make every party's step wrong, so it ends the job naming its
+        sender."""
+        every = self._from_everyone(np.array([largest, quantile, spectral], dtype=np.float64), TAG_GATHER)
+        for sender, (top, high, eigen) in enumerate(every):
+            if not (np.isfinite(every[sender]).all() and 0 <= high <= top and 0 <= eigen <= top):
                 raise ProtocolViolation(sender, CONTROL_KINDS["gather_row_norms"],
-                                        f"largest {largest!r} and mean {mean!r} squared row norms: "
-                                        "expected finite numbers with 0 <= mean <= largest")
+                                        f"largest {top!r}, 99.9th-percentile {high!r} squared row norms and "
+                                        f"Gram eigenvalue {eigen!r}: expected finite numbers with "
+                                        "0 <= percentile <= largest and 0 <= eigenvalue <= largest")
         return every
 
     # ------------------------------------------------------------------------------ the full ϑ

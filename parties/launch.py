@@ -52,6 +52,10 @@ def reference_f_star(config: RunConfig | JobPlan) -> float:
     ds = job_dataset(config.dataset, config.seed, config.data_dir)
     problem = get_problem(config.problem, lam=config.lam)
     X = ds.X_train
+    if config.standardize != "off":  # the problem the parties solve: each column scaled as its party does
+        from vertical.standardize import apply_scaling, fit_scaling
+
+        X = apply_scaling(X, fit_scaling(X, config.standardize))
     with pools_for(X.nnz if hasattr(X, "nnz") else X.size):  # small data: one BLAS thread, much faster
         return float(solve_reference(problem, X, ds.y_train).f_star)
 

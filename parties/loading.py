@@ -14,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from parties.checkpoint import atomic_write
+from parties.checkpoint import atomic_write, npz_member_shape
 from parties.plan import JobPlan
 from parties.runtime import PartyState
 from vertical.algorithms.registry import get_algorithm
 from vertical.algorithms.vfb2 import Block, SAGARule
 from vertical.problems import get_problem
+from vertical.standardize import Scaling, apply_scaling, fit_scaling
 
 
 def load_party(config: JobPlan, rank: int) -> PartyState:
@@ -35,6 +36,11 @@ def load_party(config: JobPlan, rank: int) -> PartyState:
     train_ids, test_ids = data.train_ids, data.test_ids
     if active and config.label_privacy == "dp":
         y_train = noisy_labels(config, rank, y_train, train_ids)
+    scaling = party_scaling(config, rank, X_train, train_ids)
+    if scaling is not None:
+        X_train = apply_scaling(X_train, scaling, who=f"party {rank}")
+        if X_test is not None and X_test.shape[0] > 0:
+            X_test = apply_scaling(X_test, scaling, who=f"party {rank}")
     problem = get_problem(config.problem, lam=config.lam)
     block = Block.from_matrix(X_train)
     rule_cls = get_algorithm(config.algorithm).rule
@@ -66,6 +72,53 @@ def own_party_file(path: str | Path, rank: int) -> Path:
     if is_party_folder(given) or (given.suffix == ".npz" and given.is_file()):
         return given
     return find_party_file(given, rank)
+
+
+def scaling_path(config: JobPlan, rank: int) -> Path:
+    """Where party ``rank`` keeps its ``--standardize`` statistics: its own folder."""
+    return config.party_folder(rank) / f"standardize-{rank}.npz"
+
+
+def party_scaling(config: JobPlan, rank: int, X_train, train_ids: np.ndarray) -> Scaling | None:
+    """``--standardize``: this party's column scaling, fitted on its own training rows when the run
+    starts and kept in its own folder (``standardize-<rank>.npz``), so that ``--resume`` and ``vfl
+    predict`` scale exactly as training did; read back (and checked against the rows' ids and the
+    block's width) from then on. None under ``--standardize off``."""
+    if config.standardize == "off":
+        return None
+    path = scaling_path(config, rank)
+    digest = np.frombuffer(ids_digest(train_ids, np.zeros(0, dtype=np.int64)), dtype=np.uint8)
+    if not config.resume:
+        scaling = fit_scaling(X_train, config.standardize)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda fh: np.savez(fh, shift=scaling.shift, scale=scaling.scale,
+                                               mode=config.standardize, ids_digest=digest))
+        return scaling
+    return read_scaling(path, X_train.shape[1], config.standardize, digest)
+
+
+def read_scaling(path: Path, n_cols: int, mode: str, digest: np.ndarray | None = None) -> Scaling:
+    """A party's saved ``--standardize`` statistics, checked: the run's mode, one finite shift and one
+    positive finite scale per column, and (``digest``) the same training rows. Anything else is a
+    ``ValueError`` naming the file: scaling with other statistics would silently change the model."""
+    if not path.exists():
+        raise ValueError(f"{path} is missing: the run's --standardize statistics are kept there; start "
+                         "the run again without --resume")
+    foreign = False
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            shapes = [npz_member_shape(z, key) for key in ("shift", "scale", "mode", "ids_digest")]
+            foreign = shapes != [(n_cols,), (n_cols,), (), (32,)]  # checked before any array is read
+            if not foreign:
+                shift, scale, saved_mode, saved = z["shift"], z["scale"], str(z["mode"]), z["ids_digest"]
+    except (OSError, KeyError, ValueError, EOFError) as err:
+        raise ValueError(f"{path} is damaged ({err}); start the run again without --resume") from None
+    if (foreign or saved_mode != mode or shift.dtype.kind != "f" or scale.dtype.kind != "f"
+            or not np.isfinite(shift).all() or not (np.isfinite(scale).all() and (scale > 0).all())
+            or (digest is not None and not np.array_equal(saved, digest))):
+        raise ValueError(f"{path} is not this run's --standardize {mode} statistics for {n_cols} columns "
+                         "(other rows, columns or mode); start the run again without --resume")
+    return Scaling(shift.astype(np.float64), scale.astype(np.float64))
 
 
 def noisy_labels(config: JobPlan, rank: int, y: np.ndarray, ids: np.ndarray) -> np.ndarray:

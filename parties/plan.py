@@ -89,7 +89,9 @@ class JobPlan:
     def from_json(cls, text: str) -> JobPlan:
         record = json.loads(text)
         given = record.get("options", record)  # a plan written before "options" was kept: the flat one
-        options = RunConfig(**{k: v for k, v in given.items() if k in _OPTION_NAMES})
+        fields = {k: v for k, v in given.items() if k in _OPTION_NAMES}
+        fields.setdefault("standardize", "off")  # a run from before --standardize: its data as given
+        options = RunConfig(**fields)
         keys = record.get("channel_public_keys")
         return cls(options, out=record.get("out"), party_files=record.get("party_files"),
                    dataset=record["dataset"], f_star=record.get("f_star"),
@@ -297,8 +299,10 @@ def _check_saga_table(c: RunConfig, n_rows: int, widest_block: int) -> None:
 
 def check_he_features(c: RunConfig, passive_blocks) -> None:
     """Features must fit the fixed point of ``--label-privacy he`` (|x| < 2^VALUE_BITS)."""
-    if c.label_privacy != "he":
-        return  # before the import: protocols brings mpi4py.MPI, which a launcher must not load
+    if c.label_privacy != "he" or c.standardize != "off":
+        # scaled (non-zero values' root mean square, or spread), no training value exceeds √n; and before
+        # the import: protocols brings mpi4py.MPI, which a launcher must not load
+        return
     from protocols.label_he import VALUE_BITS
 
     largest = max((float(abs(X).max()) if X.shape[0] * X.shape[1] else 0.0 for X in passive_blocks),

@@ -187,8 +187,8 @@ class PartyRuntime:
     def sum_word(self, value: int) -> int:
         return self.control.sum_word(value)
 
-    def gather_row_norms(self, max_squared: float, mean_squared: float) -> np.ndarray:
-        return self.control.gather_row_norms(max_squared, mean_squared)
+    def gather_row_norms(self, largest: float, quantile: float, spectral: float) -> np.ndarray:
+        return self.control.gather_row_norms(largest, quantile, spectral)
 
     # ------------------------------------------------------------------------ the full passes
 

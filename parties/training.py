@@ -145,9 +145,8 @@ class _Trainer:
 
     def run(self) -> TrainResult:
         config, party = self.config, self.party
-        self.gamma = choose_gamma(self.rt, config)  # before any step (collective under --gamma auto)
-        if config.resume:
-            self._resume()
+        kept = self._resume() if config.resume else None
+        self.gamma = choose_gamma(self.rt, config, kept)  # before any step (collective unless --gamma γ)
         if self.rank == LEADER:
             self._open_outputs()
         record = self._evaluate()
@@ -162,7 +161,7 @@ class _Trainer:
             next_snapshot = self._segment(next_snapshot)
             record = self._evaluate()
             save_checkpoint(self.folder, self.rank, party.w, self.epochs, self.train_time, self.updates,
-                            keep=self.marked)
+                            keep=self.marked, gamma=self.gamma)
             self.rt.barrier()  # every party has written this epoch's block: it is complete
             if self.rank == LEADER:
                 mark_complete(self.out, self.epochs)
@@ -176,8 +175,9 @@ class _Trainer:
         return TrainResult(outcome, self.epochs, self.updates, self.train_time,
                            record if self.rank == LEADER else None)
 
-    def _resume(self) -> None:
-        """Restore this party's block and counters from the newest epoch every party completed."""
+    def _resume(self) -> float | None:
+        """Restore this party's block and counters from the newest epoch every party completed; returns
+        the base step the checkpoint holds (None in one written before it was kept)."""
         epochs = self._marked(complete_epochs(self.out) if self.rank == LEADER else 0.0)
         self.marked = epochs
         ckpt = load_checkpoint(self.folder, self.rank, self.party.block.n_cols, epochs)
@@ -187,6 +187,7 @@ class _Trainer:
             print(f"resuming from epoch {ckpt.epochs:g}, the newest epoch every party completed "
                   f"({ckpt.updates} dominated updates, {ckpt.train_time:.2f} s of training so far)",
                   flush=True)
+        return ckpt.gamma
 
     def _marked(self, epochs: float) -> float:
         """The leader's marked epoch to every party, once it is in the manifest: a party keeps the file

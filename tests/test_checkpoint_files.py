@@ -71,12 +71,20 @@ def test_a_damaged_manifest_is_one_clear_error(tmp_path, text):
 
 @pytest.mark.parametrize("field, value", [("epochs", np.nan), ("train_time", np.inf), ("train_time", -1.0),
                                           ("updates", -5), ("updates", 1.5), ("w", np.array(["a"] * 3)),
-                                          ("w", np.array([np.nan, 0, 0])), ("epochs", np.array([1.0, 2.0]))])
+                                          ("w", np.array([np.nan, 0, 0])), ("epochs", np.array([1.0, 2.0])),
+                                          ("gamma", 0.0), ("gamma", np.nan), ("gamma", np.array([0.1, 0.2]))])
 def test_a_party_file_with_bad_scalars_is_refused(tmp_path, field, value):
     arrays = {"w": np.zeros(3), "epochs": 1.0, "train_time": 0.5, "updates": 3, field: value}
     np.savez(checkpoint_path(tmp_path, 0), **arrays)
     with pytest.raises((ValueError, FileNotFoundError), match=r"damaged|shape"):
         load_checkpoint(tmp_path, 0, 3, 1.0)
+
+
+def test_the_step_is_kept_with_the_block_and_an_older_file_has_none(tmp_path):
+    save_checkpoint(tmp_path, 0, np.ones(3), 1.0, 0.5, 3, gamma=0.125)
+    assert load_checkpoint(tmp_path, 0, 3, 1.0).gamma == 0.125
+    np.savez(checkpoint_path(tmp_path, 1), w=np.zeros(3), epochs=1.0, train_time=0.5, updates=3)
+    assert load_checkpoint(tmp_path, 1, 3, 1.0).gamma is None  # written before the step was kept
 
 
 def test_a_pickled_block_is_not_unpickled(tmp_path):

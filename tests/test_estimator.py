@@ -32,13 +32,34 @@ def test_logistic_regression_fits_to_the_nonf_optimum_and_scores(tmp_path):
     assert [b.size for b in model.coef_blocks_] == [c.size for c in model.columns_]
     assert sorted(np.concatenate(model.columns_)) == list(range(30))
     assert model.history_[-1]["epoch"] == 8
-    assert model.gamma_ == 0.05 and VerticalLogisticRegression().get_params()["gamma"] == 0.05
+    assert model.gamma_ == 0.05 and VerticalLogisticRegression().get_params()["gamma"] is None  # derived
     assert model.run_dir_ == tmp_path / "run" and (model.run_dir_ / "metrics.jsonl").exists()   # asked for
     proba = model.predict_proba(X)  # scikit-learn's contract: one column per class, rows sum to 1
     assert proba.shape == (X.shape[0], 2) and np.allclose(proba.sum(axis=1), 1.0)
     np.testing.assert_allclose(proba[:, 1], 1 / (1 + np.exp(-model.decision_function(X))), rtol=1e-12)
     assert np.array_equal(model.classes_[proba.argmax(axis=1)], model.predict(X))
     np.testing.assert_allclose(model.predict_log_proba(X), np.log(proba), atol=1e-12)
+
+
+def test_raw_features_are_scaled_by_each_party_and_the_model_is_in_their_units(tmp_path):
+    """Breast-cancer as measured (areas in the hundreds beside ratios near 0.1), no step given: each
+    party centres and scales its own columns, and ``coef_``/``intercept_`` give the parties' scores on
+    the raw X."""
+    from parties.loading import read_scaling
+    from vertical.standardize import apply_scaling
+
+    X, y = load_breast_cancer(return_X_y=True)
+    model = VerticalLogisticRegression(parties=3, active=1, lam=1e-2, epochs=3, standardize="center",
+                                       out=str(tmp_path))
+    model.fit(X, y)
+    assert model.gamma_ > 0 and model.intercept_ != 0.0
+    scores = 0.0
+    for rank, columns in enumerate(model.columns_):
+        scaling = read_scaling(tmp_path / "run" / f"standardize-{rank}.npz", columns.size, "center")
+        with np.load(tmp_path / "run" / f"party-{rank}.ckpt.npz") as block:
+            scores = scores + apply_scaling(X[:, columns], scaling) @ block["w"]
+    np.testing.assert_allclose(model.decision_function(X), scores, rtol=1e-9, atol=1e-9)
+    assert model.score(X, y) > 0.95
 
 
 def test_linear_regression_and_the_scikit_learn_protocol(tmp_path):

@@ -42,7 +42,7 @@ def test_help_shows_every_default_and_every_registered_algorithm():
     text = subprocess.run([sys.executable, "-m", "vfl.cli", "train", "--help"], cwd=REPO_ROOT,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
                           check=True).stdout
-    assert f"(default: {RunConfig().gamma})" in text and f"(default: {RunConfig().lam})" in text
+    assert "(default: auto)" in text and f"(default: {RunConfig().lam})" in text
     for name in ALGORITHMS:
         assert name in text
 

@@ -74,6 +74,10 @@ class Loss(ABC):
     #: ``max_z ∂²L(z, y)/∂z²`` over every z and label: the loss's smoothness in the score, which with
     #: the rows' norms bounds the objective's (the default step, ``vertical.step_size``).
     curvature: float
+    #: ``max |∂L/∂z|`` over every z and label, or None when ϑ is unbounded (the squared loss): with a
+    #: bounded ϑ a step too long for a few rows adds bounded noise, with an unbounded one it grows
+    #: geometrically, so only a bounded loss gets the default step's robust rows (``vertical.step_size``).
+    derivative_bound: float | None
 
     @abstractmethod
     def value(self, z: Scalars, y: Scalars) -> Scalars:
@@ -95,6 +99,7 @@ class LogisticLoss(Loss):
     name: str = field(default="logistic", init=False)
     convex: bool = field(default=True, init=False)
     curvature: float = field(default=0.25, init=False)  # σ(yz)σ(−yz) ≤ 1/4, at z = 0
+    derivative_bound: float | None = field(default=1.0, init=False)  # |ϑ| = σ(−yz) < 1
 
     def value(self, z: Scalars, y: Scalars) -> Scalars:
         return np.logaddexp(0.0, -np.multiply(y, z))
@@ -115,6 +120,7 @@ class SquaredLoss(Loss):
     name: str = field(default="squared", init=False)
     convex: bool = field(default=True, init=False)
     curvature: float = field(default=2.0, init=False)  # (z − y)² without the ½: 2 everywhere
+    derivative_bound: float | None = field(default=None, init=False)  # ϑ = 2(z − y): unbounded
 
     def value(self, z: Scalars, y: Scalars) -> Scalars:
         return np.square(np.subtract(z, y))
@@ -133,6 +139,7 @@ class RobustLoss(Loss):
     name: str = field(default="robust", init=False)
     convex: bool = field(default=False, init=False)
     curvature: float = field(default=1.0, init=False)  # 2(2 − u²)/(u² + 2)², largest at u = z − y = 0
+    derivative_bound: float | None = field(default=2 ** -0.5, init=False)  # 2u/(u² + 2), largest at u = √2
 
     def value(self, z: Scalars, y: Scalars) -> Scalars:
         r = np.subtract(y, z)

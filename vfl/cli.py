@@ -125,10 +125,15 @@ def _cmd_reference(args: argparse.Namespace) -> int:
         name, X_train, y_train, X_test, y_test = ds.name, ds.X_train, ds.y_train, ds.X_test, ds.y_test
     else:
         name, X_train, y_train, X_test, y_test = _pooled_party_files(args, problem.task)
+    if args.standardize != "off":  # the problem `vfl train --standardize` solves: each column scaled alike
+        from vertical.standardize import apply_scaling, fit_scaling
+
+        scaling = fit_scaling(X_train, args.standardize)
+        X_train, X_test = apply_scaling(X_train, scaling), apply_scaling(X_test, scaling)
     sol = solve_reference(problem, X_train, y_train)
     scores = evaluate(problem, sol.w, X_test, y_test) if X_test.shape[0] else {}
     print(f"NonF {problem.name} on {name} (λ={args.lam:g}, {X_train.shape[0]:,} train / {X_test.shape[0]:,} "
-          f"test, {X_train.shape[1]} features)")
+          f"test, {X_train.shape[1]} features, --standardize {args.standardize})")
     print(f"  f* = {sol.f_star:.12g}   ‖∇f‖ = {sol.grad_norm:.2e}   {sol.n_iter} iterations, "
           f"{sol.seconds:.2f} s")
     for key, value in scores.items():
@@ -273,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_cmd_synth)
 
+    from vertical.standardize import MODES as STANDARDIZE
+
     p = sub.add_parser("reference", help="train the non-federated (NonF) reference on pooled data")
     p.add_argument("--dataset", default="breast-cancer")
     p.add_argument("--party-files", default=None, metavar="FOLDER",
@@ -284,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lam", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--standardize", default="on", choices=STANDARDIZE,
+                   help="scale each column as `vfl train --standardize` does (the same default), so that "
+                        "f* is the one of the problem training solves")
     p.set_defaults(func=_cmd_reference)
 
     from parties.config import build_parser as training_options

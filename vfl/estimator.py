@@ -5,14 +5,18 @@ parties (a seeded random partition, like ``vfl train --dataset``), each party ge
 only in the active parties' files), and a real ``mpiexec`` job trains, exactly as ``vfl train
 --party-files`` does. ``fit(folder)`` trains on per-party files that already exist (``vfl split``).
 
-After fitting, ``coef_blocks_[p]`` is party p's block and ``columns_[p]`` its column indices; ``coef_``
-is the whole weight vector. Assembling it is possible only because this simulation holds every block
-in one process: in a deployment each party keeps its own block and ``vfl predict`` scores rows through
-secure aggregation. ``predict``/``decision_function`` here compute ``X @ coef_`` locally.
+After fitting, ``coef_blocks_[p]`` is party p's block (in the units of ``X``) and ``columns_[p]`` its
+column indices; ``coef_`` is the whole weight vector. Assembling it is possible only because this
+simulation holds every block in one process: in a deployment each party keeps its own block and
+``vfl predict`` scores rows through secure aggregation. ``predict``/``decision_function`` here compute
+``X @ coef_ + intercept_`` locally.
 
-``gamma=None`` derives the step from the data as ``vfl train --gamma auto`` does (``docs/usage.md``);
-the default is the paper's 0.05; ``gamma_`` is the step the fit used. A fit that ends above the loss of w = 0
-warns (scikit-learn's ``ConvergenceWarning``).
+``gamma=None`` (the default) derives the step from the data as ``vfl train`` does without ``--gamma``
+(``docs/usage.md``); ``gamma_`` is the step the fit used. ``standardize`` is ``vfl train
+--standardize`` (default ``"on"``: each party divides each column by its typical non-zero magnitude); the
+parties train on the scaled columns, and ``coef_`` (with ``intercept_``, non-zero only under
+``"center"``) is the model in the units of ``X``, so ``decision_function(X)`` takes ``X`` as given. A fit
+that ends above the loss of w = 0 warns (scikit-learn's ``ConvergenceWarning``).
 
 The MPI layer is imported only inside ``fit``: importing the estimators starts no MPI.
 """
@@ -38,9 +42,9 @@ class _VerticalEstimator(BaseEstimator):
     _task: str
 
     def __init__(self, *, parties: int = 3, active: int = 1, algorithm: str = "svrg", lam: float = 1e-4,
-                 gamma: float | None = 0.05, epochs: float = 10.0, threads: int | None = None,
+                 gamma: float | None = None, epochs: float = 10.0, threads: int | None = None,
                  eval_every: float = 1.0, seed: int = 0, out: str | None = None,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False, standardize: str = "on") -> None:
         self.parties = parties
         self.active = active
         self.algorithm = algorithm
@@ -52,6 +56,7 @@ class _VerticalEstimator(BaseEstimator):
         self.seed = seed
         self.out = out
         self.verbose = verbose
+        self.standardize = standardize
 
     # ------------------------------------------------------------------------------------------ fit
 
@@ -99,6 +104,7 @@ class _VerticalEstimator(BaseEstimator):
     def _train(self, folder: Path, run: Path) -> None:
         from parties.config import RunConfig
         from parties.launch import prepare, run_plan
+        from parties.loading import read_scaling, scaling_path
         from parties.outcomes import EXIT_CODES
         from vertical.datasets import load_party_file
         from vertical.datasets.party_files import find_party_file
@@ -106,20 +112,27 @@ class _VerticalEstimator(BaseEstimator):
         config = RunConfig(parties=self.parties, active=self.active, party_files=str(folder),
                            problem=self._problem, lam=self.lam, algorithm=self.algorithm, gamma=self.gamma,
                            epochs=self.epochs, threads=self.threads, eval_every=self.eval_every,
-                           seed=self.seed, out=str(run), overwrite=True, progress=self.verbose)
+                           seed=self.seed, out=str(run), overwrite=True, progress=self.verbose,
+                           standardize=self.standardize)
         plan = prepare(config, echo=self.verbose)
         code = run_plan(plan, echo=self.verbose)
         if code != EXIT_CODES["ok"]:
             reason = next((k for k, v in EXIT_CODES.items() if v == code), "failed")
             raise RuntimeError(f"VFB² training {reason} (exit code {code}); the message above says why")
         folder = Path(plan.party_files)  # the files trained on (a CSV folder's converted copy)
-        blocks, columns = [], []
+        blocks, columns, intercept = [], [], 0.0
         for p in range(self.parties):
             with np.load(run / f"party-{p}.ckpt.npz") as z:
-                blocks.append(z["w"].copy())
+                w = z["w"].copy()
+            if self.standardize != "off":  # trained on x/s (or (x − m)/s): w/s in the units of X
+                scaling = read_scaling(scaling_path(plan, p), w.size, self.standardize)
+                w = w / scaling.scale
+                intercept -= float(w @ scaling.shift)
+            blocks.append(w)
             columns.append(load_party_file(find_party_file(folder, p)).columns)
         self.coef_blocks_ = blocks
         self.columns_ = columns
+        self.intercept_ = intercept
         self.n_features_in_ = int(sum(b.size for b in blocks))
         self.coef_ = np.zeros(self.n_features_in_)
         if all(c is not None for c in columns):
@@ -137,12 +150,12 @@ class _VerticalEstimator(BaseEstimator):
     # ------------------------------------------------------------------------------------- predict
 
     def decision_function(self, X) -> np.ndarray:
-        """Scores ``X @ coef_`` (the model's w·x)."""
+        """Scores ``X @ coef_ + intercept_`` (the model's w·x, in the units of ``X``)."""
         check_is_fitted(self, "coef_")
         X = self._check_X(X)
         if X.shape[1] != self.n_features_in_:
             raise ValueError(f"X has {X.shape[1]} features, the model was fitted with {self.n_features_in_}")
-        return np.asarray(X @ self.coef_, dtype=np.float64).ravel()
+        return np.asarray(X @ self.coef_, dtype=np.float64).ravel() + self.intercept_
 
     # ---------------------------------------------------------------------------------- validation
 
