@@ -117,20 +117,33 @@ def theta_norm(t: Transcript, n_rows: int) -> np.ndarray:
     return scores - np.nanmedian(scores) if np.isfinite(scores).any() else scores
 
 
+def two_means_split(values: np.ndarray) -> float:
+    """The threshold that splits ``values`` into the two groups of least total squared deviation
+    (1-D 2-means, exact): where an attacker with no labels cuts a two-class score."""
+    v = np.sort(values[np.isfinite(values)])
+    if v.size < 2:
+        return 0.0
+    prefix, prefix_sq = np.cumsum(v), np.cumsum(v * v)
+    left = np.arange(1, v.size)
+    right = v.size - left
+    cost = (prefix_sq[:-1] - prefix[:-1] ** 2 / left) + (
+        prefix_sq[-1] - prefix_sq[:-1] - (prefix[-1] - prefix[:-1]) ** 2 / right)
+    cut = int(np.argmin(cost))
+    return float((v[cut] + v[cut + 1]) / 2)
+
+
 def theta_direction(t: Transcript, n_rows: int, known: tuple[np.ndarray, np.ndarray] | None = None
                     ) -> np.ndarray:
     """Score the mean cosine of each row's ϑ with its batch's leading direction (the top right-singular
-    vector of ϑ_B), turned so that the known rows of the batch (``known``: rows and their ±1 labels)
-    score by their label, else so that it agrees with the previous batch's. Without known labels at
-    all, the side whose ϑ's are longer is taken for +1 (the minority class, as in :func:`theta_norm`)."""
-    labels = np.zeros(n_rows)
-    if known is not None:
-        labels[np.asarray(known[0], dtype=np.int64)] = np.asarray(known[1], dtype=np.float64)
+    vector of ϑ_B), each batch's direction turned to agree with the previous batch's. One sign for the
+    whole transcript then comes from the rows whose ±1 labels the attacker knows (``known``: rows and
+    labels), or without any, from the length heuristic of :func:`theta_norm` (the side whose ϑ's are
+    longer is +1, the minority class). Scores are centred at their :func:`two_means_split`: with a
+    nonlinear top the two classes' cosines need not straddle 0, though they separate."""
     previous, pieces, norms = None, [], []
     for rows, theta in theta_batches(t):
         direction = np.linalg.svd(theta, full_matrices=False)[2][0]
-        votes = float(labels[rows] @ (theta @ direction))
-        if votes < 0 or (votes == 0 and previous is not None and direction @ previous < 0):
+        if previous is not None and direction @ previous < 0:
             direction = -direction
         previous = direction
         length = np.linalg.norm(theta, axis=1)
@@ -138,11 +151,21 @@ def theta_direction(t: Transcript, n_rows: int, known: tuple[np.ndarray, np.ndar
             pieces.append((rows, np.where(length > 0, theta @ direction / length, 0.0)))
         norms.append((rows, length))
     scores = _mean_per_row(n_rows, pieces)
-    if known is None and np.isfinite(scores).any():
+    if not np.isfinite(scores).any():
+        return scores
+    scores -= two_means_split(scores)
+    if known is not None:
+        rows, labels = np.asarray(known[0], dtype=np.int64), np.asarray(known[1], dtype=np.float64)
+        seen = scores[rows]
+        positive, negative = seen[(labels > 0) & np.isfinite(seen)], seen[(labels < 0) & np.isfinite(seen)]
+        if positive.size and negative.size:   # class means, so that the majority does not outvote
+            flip = positive.mean() < negative.mean()
+        else:
+            flip = float(labels[np.isfinite(seen)] @ seen[np.isfinite(seen)]) < 0
+    else:
         length = _mean_per_row(n_rows, norms)
-        if np.nanmean(length[scores >= 0]) < np.nanmean(length[scores < 0]):
-            scores = -scores
-    return scores
+        flip = np.nanmean(length[scores >= 0]) < np.nanmean(length[scores < 0])
+    return -scores if flip else scores
 
 
 def model_completion(features, known_rows: np.ndarray, known_labels: np.ndarray) -> np.ndarray:

@@ -7,6 +7,8 @@ is written as an ``--audit`` transcript of the runtime's format and read back by
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -63,13 +65,14 @@ def test_the_direction_attack_recovers_the_labels_of_an_unprotected_split_networ
 
 @requires_dataset("a9a")
 def test_under_protection_the_gradient_attacks_on_a9a_are_at_chance(tmp_path):
-    """a9a, (ε = 4, δ = 1e-5) over 2 passes: the norm and the direction attack (even with 1 % of the
-    labels known) score AUC ≤ 0.60 either way round, where the same run unprotected gives ≥ 95 %;
-    and the protected model still learns (above the majority class)."""
-    ds = load("a9a", seed=0)
-    plain, y, plain_accuracy, _, _ = _train(ds, "*-16-1", "1", epochs=2, batch_size=256)
-    protection = LabelProtection.calibrated(4.0, 1e-5, 2, clip=0.5, seed=1)
-    noisy, _, noisy_accuracy, _, _ = _train(ds, "*-16-1", "1", epochs=2, batch_size=256,
+    """a9a (8000 training rows), (ε = 1.5, δ = 1e-5) over 2 passes: the norm and the direction attack
+    (with 1 % of the labels known) score AUC ≤ 0.60 either way round, where the same run unprotected
+    gives ≥ 95 % of the labels; and the protected model still learns (above the majority class)."""
+    full = load("a9a", seed=0)
+    ds = dataclasses.replace(full, X_train=full.X_train[:8000], y_train=full.y_train[:8000])
+    plain, y, plain_accuracy, _, _ = _train(ds, "*-16-1", "1", epochs=2, batch_size=64)
+    protection = LabelProtection.calibrated(1.5, 1e-5, 2, clip=0.5, seed=1)
+    noisy, _, noisy_accuracy, _, _ = _train(ds, "*-16-1", "1", epochs=2, batch_size=64,
                                             protection=protection)
     known_rows = np.random.default_rng(0).choice(y.size, y.size // 100, replace=False)
     known = (known_rows, y[known_rows])
@@ -83,8 +86,8 @@ def test_under_protection_the_gradient_attacks_on_a9a_are_at_chance(tmp_path):
                 assert max(auc, 1 - auc) <= 0.60, (attack, found[attack])
         else:
             assert found["theta_direction"]["accuracy"] >= 0.95
-    assert plain_accuracy > majority + 0.05 and noisy_accuracy > majority + 0.02
-    assert protection.epsilon(1e-5, 2) <= 4.0
+    assert plain_accuracy > majority + 0.05 and noisy_accuracy > majority + 0.01
+    assert protection.epsilon(1e-5, 2) <= 1.5
 
 
 def test_the_direction_attack_orients_itself_without_known_labels_on_a_scalar_theta():

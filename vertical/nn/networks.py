@@ -36,6 +36,8 @@ from vertical.nn.base import PartyModel, TopModel, check_state, parse_spec
 from vertical.nn.protection import LabelProtection
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+#: A sparse block up to this size (dense) is densified at construction.
+DENSE_BYTES = 1 << 28
 #: Rows per chunk when embedding a whole data set (bounds the activations' memory).
 EMBED_CHUNK = 8192
 
@@ -132,7 +134,8 @@ def _load_parameter_state(net: nn.Module, state: dict[str, np.ndarray], what: st
 
 
 class MLPBottom(PartyModel):
-    """A party's MLP on its own training block ``X`` (dense, or CSR densified per batch)."""
+    """A party's MLP on its own training block ``X`` (dense; a CSR block above :data:`DENSE_BYTES` is
+    kept sparse and densified per batch)."""
 
     def __init__(self, X, spec: str, *, optimizer: OptimizerSpec = DEFAULT_OPTIMIZER, seed: int = 0,
                  dtype: str = "float32") -> None:
@@ -146,8 +149,13 @@ class MLPBottom(PartyModel):
         self.dtype = dtype_of(dtype)
         self.net = mlp(self.widths, seed=seed, dtype=self.dtype)
         self.optimizer = optimizer.build(list(self.net.parameters()))
-        self._sparse = sp.issparse(X)
-        self.X = sp.csr_matrix(X) if self._sparse else torch.as_tensor(np.asarray(X), dtype=self.dtype)
+        # a sparse block is densified once when it is small: indexing CSR rows costs more than the layer
+        self._sparse = sp.issparse(X) and X.shape[0] * X.shape[1] * self.dtype.itemsize > DENSE_BYTES
+        if self._sparse:
+            self.X = sp.csr_matrix(X)
+        else:
+            dense = X.toarray() if sp.issparse(X) else np.asarray(X)
+            self.X = torch.as_tensor(dense, dtype=self.dtype)
 
     def _inputs(self, rows: np.ndarray) -> torch.Tensor:
         rows = np.asarray(rows, dtype=np.int64)
