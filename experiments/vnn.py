@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epsilon", type=float, nargs="+", default=[4.0],
                    help="the protected mode's ε (δ = 1e-5) over --epochs passes, binary data sets")
     p.add_argument("--no-privacy", action="store_true", help="skip the label-attack runs")
+    p.add_argument("--methods", nargs="+", default=list(COLOURS), choices=list(COLOURS))
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of --out's results.json that this run does not redo")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
         ds = load(dataset, seed=0)
         if ds.task == "multiclass":
             y, y_test, n_classes = ds.y_train, ds.y_test, int(ds.y_train.max()) + 1
-            columns = image_strips(28, 28, 4)
+            side = round(np.sqrt(ds.X_train.shape[1]))   # square images: 28 for Fashion-MNIST
+            columns = image_strips(side, side, 4)
             bottom, top, linear = "*-64-16", "16-*", ("*-10", "10")
         else:
             y, y_test, n_classes = (ds.y_train > 0).astype(int), (ds.y_test > 0).astype(int), 2
@@ -110,23 +114,37 @@ def main(argv: list[str] | None = None) -> None:
         data = (ds.X_train, y, ds.X_test, y_test, columns)
         for seed in args.seeds:
             for method, mode, tau in (("vfb2-async", "async", args.tau), ("split-sync", "sync", 0)):
+                if method not in args.methods:
+                    continue
                 result, _ = _run_split(*data, bottom, top, n_classes, mode=mode, tau=tau, seed=seed, **common)
                 rows.append(_summary(dataset, method, seed, result.history,
                                      {"tau": tau, "max_staleness": result.max_staleness}))
                 print(f"[vnn] {dataset} {method} seed {seed}: {rows[-1]['test_accuracy']:.4f}, "
                       f"{rows[-1]['cpu_seconds_per_epoch']:.1f} CPU s/epoch", flush=True)
-            history = _run_central(*data, bottom, top, n_classes, seed=seed, **common)
-            rows.append(_summary(dataset, "central", seed, history))
-            print(f"[vnn] {dataset} central seed {seed}: {rows[-1]['test_accuracy']:.4f}, "
-                  f"{rows[-1]['cpu_seconds_per_epoch']:.1f} CPU s/epoch", flush=True)
-            if linear is not None:
+            if "central" in args.methods:
+                history = _run_central(*data, bottom, top, n_classes, seed=seed, **common)
+                rows.append(_summary(dataset, "central", seed, history))
+                print(f"[vnn] {dataset} central seed {seed}: {rows[-1]['test_accuracy']:.4f}, "
+                      f"{rows[-1]['cpu_seconds_per_epoch']:.1f} CPU s/epoch", flush=True)
+            if linear is not None and "linear" in args.methods:
                 result, _ = _run_split(*data, *linear, n_classes, mode="async", tau=args.tau, seed=seed,
-                                       **{**common, "optimizer": OptimizerSpec("adam", 1e-2)})
+                                       **common)
                 rows.append(_summary(dataset, "linear", seed, result.history, {"tau": args.tau}))
-        if linear is None:
+                print(f"[vnn] {dataset} linear seed {seed}: {rows[-1]['test_accuracy']:.4f}", flush=True)
+        if linear is None and "linear" in args.methods:
             rows.append(_nonf(dataset, ds))
         if ds.task == "binary" and not args.no_privacy:
             privacy += _privacy(dataset, ds, y, y_test, columns, args, optimizer)
+    if args.merge and (args.out / "results.json").exists():
+        earlier = json.loads((args.out / "results.json").read_text())
+        args.earlier_commands = earlier.get("commands", [])
+        redone = {(r["dataset"], r["method"], r["seed"]) for r in rows}
+        rows = [r for r in earlier["rows"] if (r["dataset"], r["method"], r["seed"]) not in redone] + rows
+        done = {r["dataset"] for r in privacy}
+        privacy = [r for r in earlier.get("privacy", []) if r["dataset"] not in done] + privacy
+        order = {d: i for i, d in enumerate(dict.fromkeys(r["dataset"] for r in earlier["rows"]))}
+        rows.sort(key=lambda r: (order.get(r["dataset"], len(order)), list(COLOURS).index(r["method"]),
+                                 r["seed"]))
     write(rows, privacy, args)
 
 
@@ -171,7 +189,9 @@ def _privacy(dataset, ds, y, y_test, columns, args, optimizer) -> list[dict]:
                     "epsilon": epsilon, "delta": None if epsilon is None else 1e-5,
                     "noise_multiplier": None if protection is None else protection.noise_multiplier,
                     "test_accuracy": result.history[-1]["test_accuracy"],
-                    "norm_auc": found["theta_norm"]["auc"], "direction_auc": found["theta_direction"]["auc"],
+                    "norm_auc": max(found["theta_norm"]["auc"], 1 - found["theta_norm"]["auc"]),
+                    "direction_auc": max(found["theta_direction"]["auc"],
+                                         1 - found["theta_direction"]["auc"]),
                     "direction_accuracy": found["theta_direction"]["accuracy"],
                     "completion_auc": completion["auc"], "raw_features_auc": raw["auc"],
                     "known_labels": int(known_rows.size), "load": list(os.getloadavg())})
@@ -188,10 +208,12 @@ def write(rows: list[dict], privacy: list[dict], args) -> None:
 
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
+    command = "python -m experiments vnn " + " ".join(
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+        for k, v in vars(args).items() if k not in ("out", "no_privacy", "merge", "earlier_commands"))
     header = {"load": os.getloadavg(), "cpu": cpu_model(), "torch_threads": 1,
-              "command": "python -m experiments vnn " + " ".join(
-                  f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                  for k, v in vars(args).items() if k not in ("out", "no_privacy")),
+              "commands": [*getattr(args, "earlier_commands", []),
+                           command + (" --merge" if args.merge else "")],
               "epochs": args.epochs, "seeds": args.seeds, "batch_size": args.batch_size, "tau": args.tau}
     (out / "results.json").write_text(json.dumps({**header, "rows": rows, "privacy": privacy}, indent=1))
     with open(out / "results.csv", "w", newline="") as fh:
@@ -199,7 +221,8 @@ def write(rows: list[dict], privacy: list[dict], args) -> None:
         writer.writeheader()
         writer.writerows(rows)
     lines = [f"Machine: {header['cpu']}, load {', '.join(f'{x:.1f}' for x in header['load'])} at the end; "
-             f"{args.epochs} passes, seeds {args.seeds}, B = {args.batch_size}, τ = {args.tau}.", "",
+             f"{args.epochs} pass(es), seeds {args.seeds}, B = {args.batch_size}, τ = {args.tau}; torch on "
+             "one thread. Commands: " + "; ".join(f"`{c}`" for c in header["commands"]) + ".", "",
              "| dataset | method | test accuracy (mean over seeds) | Δ vs central (points) | CPU s/epoch | "
              "× central | wall s/epoch |", "|---|---|---|---|---|---|---|"]
     for dataset in dict.fromkeys(r["dataset"] for r in rows):

@@ -89,7 +89,7 @@ def train_central(model: AssembledNetwork, X, y: np.ndarray, *, epochs: int, bat
             loss = model.loss(model(dense[index]), labels[index])
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         elapsed += time.perf_counter() - start
         cpu += time.process_time() - cpu_start
         row = {"epoch": epoch, "loss": float(np.mean(losses)), "seconds": elapsed, "cpu_seconds": cpu}
