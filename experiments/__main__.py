@@ -66,6 +66,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                      "test accuracy without --gamma (the step derived from the data) vs NonF, B = 1 and 64"),
     "default_step_scan": ("experiments.default_step_scan",
                           "candidate default steps simulated in one process: accuracy vs NonF in seconds"),
+    "vnn": ("experiments.vnn",
+            "split networks by simulated VFB² vs the centralised network (FMNIST, D1, a9a); label attacks"),
     "feddro_toy": ("experiments.feddro_toy", "FedDRO vs FedAvg-CO on closed-form problems (Thm 4.1, Fig. 6)"),
 }
 

@@ -10,6 +10,19 @@ The attacks a passive party can run on its own transcript with no help (usable a
   party g = X_Bᵀϑ_B; the minimum-norm ϑ̂_B = (X_Bᵀ)⁺g is the part of ϑ_B its own features span.
 * ``full_gradient`` (``--label-privacy he`` with SVRG, needs X_l): the first snapshot gives the party
   X_lᵀϑ_0 over all n rows (n μ_l, at w = 0 where ϑ_0 = −y/2); the same minimum-norm inversion.
+* ``theta_norm`` (Li et al., "Label Leakage and Protection in Two-party Split Learning", ICLR 2022):
+  the norm of each row's ϑ, k-wide or scalar. The rows a model fits worst have the largest gradients,
+  and on unbalanced data those are mostly the minority class; judged by AUC, either way round.
+* ``theta_direction`` (the same paper's cosine attack): within a batch, the ϑ's of the two classes of
+  a binary task point along opposite directions (exactly, for a linear top), so each row is scored by
+  the cosine of its ϑ with the batch's leading direction, oriented by the few rows whose labels the
+  attacker knows (``known``), else from one batch to the next.
+* ``model_completion`` (Fu et al., USENIX Security 2022): the party fits a head on its own bottom's
+  embeddings of a few labelled rows and predicts the rest; compare it with the same head on its raw
+  features, which it could fit without the federation.
+
+The network attacks read k-wide messages (``vertical/nn/messages.py``); a simulated run's dispatched
+messages become an audit file of the runtime's format with :func:`write_simulated_audit`.
 
 Each attack gives a score per training row (higher = more likely +1; NaN where it saw nothing) and is
 judged by accuracy and ROC AUC on the rows it covers, and by its coverage. A protected mode must bring
@@ -73,16 +86,117 @@ class Transcript:
                 if t == tag and s == source]
 
 
-def theta_sign(t: Transcript, n_rows: int) -> np.ndarray:
-    """Score −mean(ϑ) of each row from the dispatched (ϑ, i) pairs (``[seq, B, rows, ϑs]`` messages)."""
+def theta_batches(t: Transcript) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(rows, ϑ (B, k))`` of every (ϑ, i) message, k read from its length (1 for the linear models)."""
+    from vertical.nn.messages import unpack
+
+    return [unpack(buf)[1:] for buf in t.theta_messages()]
+
+
+def _mean_per_row(n_rows: int, pieces) -> np.ndarray:
+    """Per row, the mean of the values ``pieces`` (pairs of rows and values) give it; NaN for none."""
     total, count = np.zeros(n_rows), np.zeros(n_rows)
-    for buf in t.theta_messages():
-        b = int(buf[1])
-        rows, thetas = buf[2:2 + b].astype(np.int64), buf[2 + b:2 + 2 * b]
-        np.add.at(total, rows, thetas)
+    for rows, values in pieces:
+        np.add.at(total, rows, values)
         np.add.at(count, rows, 1)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(count > 0, -total / count, np.nan)
+        return np.where(count > 0, total / count, np.nan)
+
+
+def theta_sign(t: Transcript, n_rows: int) -> np.ndarray:
+    """Score −mean(ϑ) of each row from the dispatched scalar (ϑ, i) pairs (``[seq, B, rows, ϑs]``)."""
+    return -_mean_per_row(n_rows, ((rows, theta[:, 0]) for rows, theta in theta_batches(t)
+                                   if theta.shape[1] == 1))
+
+
+def theta_norm(t: Transcript, n_rows: int) -> np.ndarray:
+    """Score the mean ‖ϑ‖ of each row, less the median over the rows seen (so that the accuracy of
+    :func:`judge` splits at the median; the AUC does not depend on it)."""
+    scores = _mean_per_row(n_rows, ((rows, np.linalg.norm(theta, axis=1))
+                                    for rows, theta in theta_batches(t)))
+    return scores - np.nanmedian(scores) if np.isfinite(scores).any() else scores
+
+
+def two_means_split(values: np.ndarray) -> float:
+    """The threshold that splits ``values`` into the two groups of least total squared deviation
+    (1-D 2-means, exact): where an attacker with no labels cuts a two-class score."""
+    v = np.sort(values[np.isfinite(values)])
+    if v.size < 2:
+        return 0.0
+    prefix, prefix_sq = np.cumsum(v), np.cumsum(v * v)
+    left = np.arange(1, v.size)
+    right = v.size - left
+    cost = (prefix_sq[:-1] - prefix[:-1] ** 2 / left) + (
+        prefix_sq[-1] - prefix_sq[:-1] - (prefix[-1] - prefix[:-1]) ** 2 / right)
+    cut = int(np.argmin(cost))
+    return float((v[cut] + v[cut + 1]) / 2)
+
+
+def theta_direction(t: Transcript, n_rows: int, known: tuple[np.ndarray, np.ndarray] | None = None
+                    ) -> np.ndarray:
+    """Score the mean cosine of each row's ϑ with its batch's leading direction (the top right-singular
+    vector of ϑ_B), each batch's direction turned to agree with the previous batch's. One sign for the
+    whole transcript then comes from the rows whose ±1 labels the attacker knows (``known``: rows and
+    labels), or without any, from the length heuristic of :func:`theta_norm` (the side whose ϑ's are
+    longer is +1, the minority class). Scores are centred at their :func:`two_means_split`: with a
+    nonlinear top the two classes' cosines need not straddle 0, though they separate."""
+    previous, pieces, norms = None, [], []
+    for rows, theta in theta_batches(t):
+        direction = np.linalg.svd(theta, full_matrices=False)[2][0]
+        if previous is not None and direction @ previous < 0:
+            direction = -direction
+        previous = direction
+        length = np.linalg.norm(theta, axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            pieces.append((rows, np.where(length > 0, theta @ direction / length, 0.0)))
+        norms.append((rows, length))
+    scores = _mean_per_row(n_rows, pieces)
+    if not np.isfinite(scores).any():
+        return scores
+    scores -= two_means_split(scores)
+    if known is not None:
+        rows, labels = np.asarray(known[0], dtype=np.int64), np.asarray(known[1], dtype=np.float64)
+        seen = scores[rows]
+        positive, negative = seen[(labels > 0) & np.isfinite(seen)], seen[(labels < 0) & np.isfinite(seen)]
+        if positive.size and negative.size:   # class means, so that the majority does not outvote
+            flip = positive.mean() < negative.mean()
+        else:
+            flip = float(labels[np.isfinite(seen)] @ seen[np.isfinite(seen)]) < 0
+    else:
+        length = _mean_per_row(n_rows, norms)
+        flip = np.nanmean(length[scores >= 0]) < np.nanmean(length[scores < 0])
+    return -scores if flip else scores
+
+
+def model_completion(features, known_rows: np.ndarray, known_labels: np.ndarray) -> np.ndarray:
+    """Fit a logistic head on ``features`` (a passive party's embeddings of its rows, or its raw
+    columns) of the known rows; returns its scores for every row (binary: the decision function,
+    higher = the larger label; more classes: the predicted label)."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    features = features.toarray() if hasattr(features, "toarray") else np.asarray(features)
+    head = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000))
+    head.fit(features[known_rows], known_labels)
+    if len(np.unique(known_labels)) == 2:
+        return head.decision_function(features)
+    return head.predict(features)
+
+
+def write_simulated_audit(path: str | Path, dispatched: list[np.ndarray], *, rank: int,
+                          source: int = 0) -> Path:
+    """Write what a passive party ``rank`` received in a simulated run (``vertical.nn.simulate``'s
+    ``dispatched`` messages, all from the dominator ``source``) as an ``--audit`` transcript of the
+    runtime's format (``parties/audit.py``), so that every attack here reads it as it reads a real one.
+    Counters the simulation has no equivalent of are zero."""
+    from parties.audit import AuditLog
+
+    log = AuditLog(rank, enabled=True)
+    for words in dispatched:
+        log.record(source, TAG_THETA, words)
+    log.save(path, sent=0, applied=np.zeros(1, dtype=np.int64), max_unacked=0)
+    return Path(path)
 
 
 def full_theta(t: Transcript, n_rows: int) -> np.ndarray:
@@ -123,7 +237,7 @@ def full_gradient(t: Transcript, n_rows: int, X=None) -> np.ndarray:
 
 
 ATTACKS = {"theta_sign": theta_sign, "full_theta": full_theta, "batch_gradient": batch_gradient,
-           "full_gradient": full_gradient}
+           "full_gradient": full_gradient, "theta_norm": theta_norm, "theta_direction": theta_direction}
 #: The attacks that need the party's own training block X_l.
 NEEDS_FEATURES = ("batch_gradient", "full_gradient")
 
@@ -143,12 +257,14 @@ def judge(scores: np.ndarray, y: np.ndarray) -> dict[str, float]:
     return result
 
 
-def attack_all(transcript_path: str | Path, y: np.ndarray, X=None) -> dict[str, dict[str, float]]:
+def attack_all(transcript_path: str | Path, y: np.ndarray, X=None, known: tuple | None = None
+               ) -> dict[str, dict[str, float]]:
     """Every attack on one party's transcript; those that need the party's own training block
-    (:data:`NEEDS_FEATURES`) only when ``X`` is given."""
+    (:data:`NEEDS_FEATURES`) only when ``X`` is given; ``known`` (rows, ±1 labels) orients
+    :func:`theta_direction`."""
     t = Transcript.load(transcript_path)
-    found = {name: judge(attack(t, y.size), y) for name, attack in ATTACKS.items()
-             if name not in NEEDS_FEATURES}
+    found = {name: judge(attack(t, y.size, known) if name == "theta_direction" else attack(t, y.size), y)
+             for name, attack in ATTACKS.items() if name not in NEEDS_FEATURES}
     if X is not None:
         found.update({name: judge(ATTACKS[name](t, y.size, X), y) for name in NEEDS_FEATURES})
     return found

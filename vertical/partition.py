@@ -9,6 +9,8 @@ A partition is a list of q sorted, disjoint int64 arrays of column indices that 
 - :func:`contiguous_blocks`: the companion AVFL code's split, d/q consecutive columns each, the
   remainder going to the first ranks.
 - :func:`blocks_from_columns`: a partition given by the parties themselves, validated.
+- :func:`image_strips`: row-major images cut into q vertical strips (the usual image VFL benchmark: each
+  party sees a band of pixel columns of every image).
 
 Every party must hold at least one column: a party with no features has nothing to learn.
 """
@@ -39,6 +41,15 @@ def contiguous_blocks(n_features: int, q: int) -> list[np.ndarray]:
     """Consecutive near-equal blocks, the remainder to the first parties (the AVFL code's split)."""
     _check_counts(n_features, q)
     return [part.astype(np.int64) for part in np.array_split(np.arange(n_features), q)]
+
+
+def image_strips(height: int, width: int, q: int) -> list[np.ndarray]:
+    """The pixels of ``height × width`` row-major images in q vertical strips of near-equal width
+    (Fashion-MNIST at q = 4: 7 pixel columns × 28 rows = 196 features a party)."""
+    if height < 1:
+        raise ValueError(f"height must be >= 1, got {height}")
+    return [np.sort((np.arange(height)[:, None] * width + cols[None, :]).ravel())
+            for cols in contiguous_blocks(width, q)]
 
 
 def blocks_from_columns(columns: Sequence[Sequence[int]], n_features: int) -> list[np.ndarray]:

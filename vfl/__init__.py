@@ -9,7 +9,7 @@ MPI jobs through ``parties``, imported only when they are used (``docs/design.md
 
 __version__ = "0.1.0"
 
-_ESTIMATORS = ("VerticalLogisticRegression", "VerticalLinearRegression")
+_ESTIMATORS = ("VerticalLogisticRegression", "VerticalLinearRegression", "VerticalMLPClassifier")
 __all__ = list(_ESTIMATORS)
 
 

@@ -19,6 +19,10 @@ parties train on the scaled columns, and ``coef_`` (with ``intercept_``, non-zer
 that ends above the loss of w = 0 warns (scikit-learn's ``ConvergenceWarning``).
 
 The MPI layer is imported only inside ``fit``: importing the estimators starts no MPI.
+
+``VerticalMLPClassifier`` trains a split neural network (``vertical/nn``, torch); in this phase its
+``fit`` simulates the parties in one process (``docs/vertical-networks.md``). torch is imported only
+when it is used.
 """
 
 from __future__ import annotations
@@ -236,3 +240,129 @@ class VerticalLinearRegression(RegressorMixin, _VerticalEstimator):
 
     def predict(self, X) -> np.ndarray:
         return self.decision_function(X)
+
+
+class VerticalMLPClassifier(ClassifierMixin, BaseEstimator):
+    """A split neural network over vertically partitioned columns, trained by VFB²: each party's own
+    MLP bottom, their sum (what the secure aggregation delivers), a top network and the loss at the
+    active party, and every party stepping its bottom from the dispatched ϑ = ∂ℓ/∂z (``k`` per row).
+
+    **In this phase ``fit`` simulates the parties in one process** (:func:`vertical.nn.simulate.simulate`:
+    the asynchronous protocol played step by step, with staleness bounded by ``max_staleness``); it
+    starts no MPI job. Training over the real multi-process runtime is phase 2 of the design
+    (``docs/vertical-networks.md``), as are ``vfl train --model mlp`` and a time-based async speed-up.
+
+    ``bottom`` is a spec string (``"*-64-16"``: the party's column count, hidden widths, the cut width
+    k) or one per party; ``top`` runs from k to the logits (``"16-*"``; one width, e.g. ``"10"``, is an
+    identity top). ``columns``: ``"random"`` (a seeded near-equal split, as the linear estimators),
+    ``"contiguous"``, or one list of column indices per party. ``mode``: ``"async"`` (τ =
+    ``max_staleness``) or ``"sync"`` (lock-step split learning).
+
+    ``label_privacy="dp"`` clips each row's ϑ (jointly with the top's per-row gradient) to ``clip`` and
+    adds Gaussian noise calibrated so that what a passive party receives over ``epochs`` passes is
+    (``epsilon``, ``delta``)-label-DP (:mod:`vertical.nn.protection`); ``epsilon_`` is the ε the
+    accountant gives for the run. After ``fit``: ``bottoms_``, ``top_``, ``columns_``, ``classes_``,
+    ``history_`` (per epoch: training loss, seconds).
+    """
+
+    def __init__(self, *, parties: int = 4, bottom: str | list[str] = "*-64-16", top: str = "16-*",
+                 columns: str | list = "random", optimizer: str = "adam", lr: float = 1e-3,
+                 momentum: float = 0.0, batch_size: int = 64, epochs: int = 10, mode: str = "async",
+                 max_staleness: int = 2, label_privacy: str = "none", epsilon: float | None = None,
+                 delta: float = 1e-5, clip: float = 1.0, dtype: str = "float32", seed: int = 0,
+                 verbose: bool = False) -> None:
+        self.parties = parties
+        self.bottom = bottom
+        self.top = top
+        self.columns = columns
+        self.optimizer = optimizer
+        self.lr = lr
+        self.momentum = momentum
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.mode = mode
+        self.max_staleness = max_staleness
+        self.label_privacy = label_privacy
+        self.epsilon = epsilon
+        self.delta = delta
+        self.clip = clip
+        self.dtype = dtype
+        self.seed = seed
+        self.verbose = verbose
+
+    def _blocks(self, n_features: int) -> list[np.ndarray]:
+        from vertical.partition import blocks_from_columns, contiguous_blocks, random_blocks
+
+        if isinstance(self.columns, str):
+            if self.columns == "random":
+                return random_blocks(n_features, self.parties, seed=self.seed)
+            if self.columns == "contiguous":
+                return contiguous_blocks(n_features, self.parties)
+            raise ValueError(f"columns must be 'random', 'contiguous' or one column list per party, "
+                             f"got {self.columns!r}")
+        blocks = blocks_from_columns(self.columns, n_features)
+        if len(blocks) != self.parties:
+            raise ValueError(f"columns lists {len(blocks)} parties, parties = {self.parties}")
+        return blocks
+
+    def _protection(self):
+        from vertical.nn.protection import LabelProtection
+
+        if self.label_privacy == "none":
+            return None
+        if self.label_privacy != "dp":
+            raise ValueError(f"label_privacy must be 'none' or 'dp', got {self.label_privacy!r}")
+        if self.epsilon is None:
+            raise ValueError("label_privacy='dp' needs epsilon")
+        return LabelProtection.calibrated(self.epsilon, self.delta, int(self.epochs), clip=self.clip,
+                                          seed=np.random.default_rng([self.seed, 2]))
+
+    def fit(self, X, y):
+        """Train on ``(X, y)`` by simulated VFB² (one process; see the class docstring)."""
+        from vertical.nn.networks import OptimizerSpec, build_split_network
+        from vertical.nn.simulate import simulate
+
+        X = _VerticalEstimator._check_X(X)
+        y = np.asarray(y).ravel()
+        if y.shape[0] != X.shape[0]:
+            raise ValueError(f"X has {X.shape[0]} rows but y has {y.shape[0]} labels")
+        if int(self.epochs) != self.epochs or self.epochs < 1:
+            raise ValueError(f"epochs must be a whole number >= 1, got {self.epochs}")
+        self.classes_, labels = np.unique(y, return_inverse=True)
+        if self.classes_.size < 2:
+            raise ValueError(f"y has {self.classes_.size} class: a classifier needs at least 2")
+        if X.shape[1] < self.parties:
+            raise ValueError(f"X has {X.shape[1]} features: cannot give each of {self.parties} parties one")
+        self.columns_ = self._blocks(X.shape[1])
+        spec = OptimizerSpec(self.optimizer, self.lr, self.momentum)
+        self.bottoms_, self.top_ = build_split_network(X, self.columns_, self.bottom, self.top,
+                                                       self.classes_.size, optimizer=spec, seed=self.seed,
+                                                       dtype=self.dtype)
+        protection = self._protection()
+
+        def report(epoch: int) -> dict:
+            if self.verbose:
+                print(f"[VerticalMLPClassifier] epoch {epoch}/{self.epochs}", flush=True)
+            return {}
+
+        result = simulate(self.bottoms_, self.top_, labels, epochs=int(self.epochs),
+                          batch_size=self.batch_size, mode=self.mode, max_staleness=self.max_staleness,
+                          seed=self.seed, protection=protection, evaluate=report)
+        self.history_ = result.history
+        self.n_features_in_ = X.shape[1]
+        self.noise_multiplier_ = None if protection is None else protection.noise_multiplier
+        self.epsilon_ = None if protection is None else protection.epsilon(self.delta, int(self.epochs))
+        return self
+
+    def predict_proba(self, X) -> np.ndarray:
+        """``[n, n_classes]`` class probabilities (scikit-learn's column order, ``classes_``)."""
+        from vertical.nn.simulate import predict_proba
+
+        check_is_fitted(self, "top_")
+        X = _VerticalEstimator._check_X(X)
+        if X.shape[1] != self.n_features_in_:
+            raise ValueError(f"X has {X.shape[1]} features, the model was fitted with {self.n_features_in_}")
+        return predict_proba(self.bottoms_, self.top_, [X[:, cols] for cols in self.columns_])
+
+    def predict(self, X) -> np.ndarray:
+        return self.classes_[self.predict_proba(X).argmax(axis=1)]

@@ -1,0 +1,98 @@
+"""Label protection for vector ϑ: each row's ϑ clipped to norm C and Gaussian noise added, calibrated by
+the RDP accountant of :mod:`vertical.label_privacy`.
+
+What a passive party receives from a batch is ``ϑ̃_b = ϑ_b·min(1, C/‖ϑ_b‖) + N(0, s²I_k)`` per row, and
+nothing else label-dependent. For that to be a Gaussian mechanism on the labels, everything ϑ is
+computed from must itself depend on the labels only through such releases, or else a label would also
+move every later ϑ through the model it trained. So in the protected mode:
+
+* every bottom, the active party's own included, steps from ϑ̃, never from the clean ϑ;
+* the top network steps by DP-SGD in the same release: each row's ∂ℓ_b/∂θ_top is clipped to norm
+  ``C_top`` and the batch's sum of them gets Gaussian noise too.
+
+One label moves its row's clipped ϑ by at most 2C and the top's clipped sum by at most 2C_top (two
+vectors in a ball). Noise of std ``s = 2σC/√(1 − a)`` on ϑ and ``s_top = 2σC_top/√a`` on the top's
+sum makes the joint release of a batch a Gaussian mechanism with noise multiplier σ, since
+``(2C/s)² + (2C_top/s_top)² = 1/σ²``; ``a`` (``top_share``, default 0.1) is the top's part of that
+budget. The top's noise lands on a sum over B rows and ϑ's on each row, so the top needs the smaller
+part. A top without parameters leaves all of it to ϑ (``s = 2σC``).
+Batches are one permutation of the rows per pass, so a row is in exactly one release per
+pass; a passive party knows which rows a batch holds (it needs them to step), so there is no
+amplification by subsampling, and a row's loss is the composition over the passes: σ is what
+:func:`~vertical.label_privacy.gaussian_noise_multiplier` gives for (ε, δ) and ``passes`` releases.
+The model a passive party ends with is post-processing of what it received.
+
+Not covered here (the runtime's business, phase 2): evaluation numbers and stop decisions, which the
+leader computes from labels and broadcasts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vertical.label_privacy import gaussian_epsilon, gaussian_noise_multiplier
+
+
+@dataclass
+class LabelProtection:
+    """Clip norms (C for each row's ϑ, ``top_clip`` for each row's top gradient), noise multiplier σ,
+    the top's share of the budget and the noise's random generator (module docstring)."""
+
+    clip: float
+    noise_multiplier: float
+    rng: np.random.Generator
+    top_clip: float | None = None
+    top_share: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.top_clip is None:
+            self.top_clip = self.clip
+        if not (np.isfinite(self.clip) and self.clip > 0 and np.isfinite(self.top_clip)
+                and self.top_clip > 0):
+            raise ValueError(f"the clip norms must be positive numbers, got {self.clip}, {self.top_clip}")
+        if not (np.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
+            raise ValueError(f"the noise multiplier must be a number >= 0, got {self.noise_multiplier}")
+        if not 0 < self.top_share < 1:
+            raise ValueError(f"top_share must lie in (0, 1), got {self.top_share}")
+
+    @classmethod
+    def calibrated(cls, epsilon: float, delta: float, passes: int, *, clip: float = 1.0,
+                   top_clip: float | None = None, top_share: float = 0.1,
+                   seed: int | np.random.Generator = 0) -> LabelProtection:
+        """The protection that makes ``passes`` releases per row (ε, δ)-label-DP."""
+        sigma = gaussian_noise_multiplier(epsilon, delta, passes)
+        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+        return cls(clip=float(clip), noise_multiplier=sigma, rng=rng, top_clip=top_clip, top_share=top_share)
+
+    def theta_std(self, top_has_parameters: bool) -> float:
+        """Std of the noise on each coordinate of a row's ϑ."""
+        share = 1.0 - self.top_share if top_has_parameters else 1.0
+        return 2.0 * self.noise_multiplier * self.clip / np.sqrt(share)
+
+    @property
+    def top_std(self) -> float:
+        """Std of the noise on each coordinate of the top's summed gradient."""
+        return 2.0 * self.noise_multiplier * self.top_clip / np.sqrt(self.top_share)
+
+    def epsilon(self, delta: float, passes: int) -> float:
+        """ε at ``delta`` of ``passes`` releases per row at this noise multiplier."""
+        return gaussian_epsilon(self.noise_multiplier, delta, passes)
+
+    @staticmethod
+    def scales(squared_norms: np.ndarray, bound: float) -> np.ndarray:
+        """Per-row factors ``min(1, bound/‖v_b‖)`` from the rows' squared norms."""
+        norms = np.sqrt(np.asarray(squared_norms, dtype=np.float64))
+        scale = np.ones_like(norms)
+        np.divide(bound, norms, out=scale, where=norms > bound)
+        return scale
+
+    def noise(self, shape, std: float) -> np.ndarray:
+        return self.rng.normal(0.0, std, size=shape)
+
+    def release(self, theta: np.ndarray, *, top_has_parameters: bool = False) -> np.ndarray:
+        """ϑ̃: each row of ϑ clipped to C, plus noise."""
+        theta = np.asarray(theta, dtype=np.float64)
+        clipped = theta * self.scales(np.einsum("bk,bk->b", theta, theta), self.clip)[:, None]
+        return clipped + self.noise(theta.shape, self.theta_std(top_has_parameters))
