@@ -264,8 +264,9 @@ def test_he_mode_refuses_what_would_reveal_theta():
     with pytest.raises(ConfigError, match="snapshot's X_lᵀϑ_0 would determine ϑ_0"):
         check_he_batch(RunConfig(**{**base, "batch_size": 41, "algorithm": "svrg"}), 40, 40)
     check_he_batch(RunConfig(**{**base, "batch_size": 41, "algorithm": "svrg"}), 40, 41)
-    with pytest.raises(ConfigError, match="scale the features"):
-        check_he_features(RunConfig(**base), [sp.csr_matrix(np.full((2, 2), 3e6))])
+    with pytest.raises(ConfigError, match="scale the features"):  # as given: 3e6 is past the fixed point
+        check_he_features(RunConfig(**base, standardize="off"), [sp.csr_matrix(np.full((2, 2), 3e6))])
+    check_he_features(RunConfig(**base), [sp.csr_matrix(np.full((2, 2), 3e6))])  # scaled by each party: 1
 
 
 def test_noisy_thetas_add_a_noise_drawn_without_looking_at_theta_on_the_fixed_point_grid():

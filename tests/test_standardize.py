@@ -4,7 +4,8 @@ Unit tests: what ``on`` and ``center`` compute, that the statistics are the trai
 a party keeps its scaling in its own folder and reads it back (checked) on resume and predict, that a
 run from before the option is read as ``off``, and that the launcher's f* is the scaled problem's.
 MPI jobs on a generated file of features on scales 1 to 10⁴: ``vfl predict`` scores with the scaling
-training used (``on`` at B = 16), and ``center`` under ``--label-privacy dp`` resumes and predicts.
+training used (``on`` at B = 16), ``center`` under ``--label-privacy dp`` resumes and predicts, and
+under ``--label-privacy he`` every party steps from its own scaled block.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -245,3 +247,38 @@ def test_center_under_label_dp_resumes_and_predicts_with_the_same_statistics(tmp
     scores, _ = _predictions(run)
     assert scores == pytest.approx(_expected_scores(files, run, 3, "center"), abs=1e-6)
     assert resumed["record"]["loss"] < np.log(2)
+
+
+@pytest.mark.mpi
+def test_under_he_each_party_steps_from_its_own_scaled_block(tmp_path):
+    """``--label-privacy he`` in sync mode takes exactly plain mini-batch SGD's steps (as
+    ``tests/test_label_he.py`` shows on breast-cancer, whose scaling is 1): here on features of scales 1
+    to 10⁴, so the passive parties' encrypted gradients must come from their scaled blocks."""
+    source = write_unscaled_libsvm(tmp_path / "small.libsvm", rows=600, columns=45)
+    files = tmp_path / "parties"
+    proc = vfl("split", str(source), "-n", "3", "-m", "1", "--task", "binary", "--n-features", "45",
+               "--out", str(files))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run, batch, lam = tmp_path / "run", 32, 0.1
+    result = _train(run, "--party-files", str(files), "-n", "3", "-m", "1", "--algorithm", "sgd", "--mode",
+                    "sync", "-B", str(batch), "--epochs", "0.5", "--label-privacy", "he", "--lam", str(lam))
+    plan = JobPlan.from_json((run / "config.json").read_text())
+    blocks = []
+    for rank in range(3):
+        data = load_party_file(find_party_file(files, rank))
+        scaling = read_scaling(scaling_path(plan, rank), data.X_train.shape[1], "on")
+        assert scaling.scale.max() > 100  # the scaling is far from 1
+        blocks.append(sp.csr_matrix(apply_scaling(data.X_train, scaling)))
+    y = load_party_file(find_party_file(files, 0)).y_train
+    n, gamma = y.size, result["gamma"]
+    problem = get_problem("logistic", lam=lam)
+    ws = [np.zeros(b.shape[1]) for b in blocks]
+    for rows in np.random.default_rng([0, 0]).integers(0, n, size=(math.ceil(0.5 * n / batch), batch)):
+        theta = problem.theta(sum(b[rows] @ w for b, w in zip(blocks, ws, strict=True)), y[rows])
+        for b, w in zip(blocks, ws, strict=True):
+            w -= gamma * lam * w
+            w -= gamma / batch * (b[rows].T @ theta)
+    for rank, plain in enumerate(ws):
+        with np.load(run / f"party-{rank}.ckpt.npz") as z:
+            assert np.max(np.abs(plain)) > 0.01
+            assert np.max(np.abs(z["w"] - plain)) < 1e-6, rank
