@@ -32,8 +32,14 @@ from vertical.problems import get_problem  # noqa: E402
 from vfl import VerticalMLPClassifier  # noqa: E402
 
 
-def _replay(draws_of_epoch):
-    return lambda epoch, rng: draws_of_epoch(epoch)
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """These layers are far too small for intra-op threads; on a loaded 2-core box two threads that
+    spin-wait for each other make a run many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
