@@ -32,8 +32,14 @@ from vertical.problems import get_problem  # noqa: E402
 from vfl import VerticalMLPClassifier  # noqa: E402
 
 
-def _replay(draws_of_epoch):
-    return lambda epoch, rng: draws_of_epoch(epoch)
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """These layers are far too small for intra-op threads; on a loaded 2-core box two threads that
+    spin-wait for each other make a run many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
@@ -244,3 +250,25 @@ def test_the_linear_path_never_imports_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
                          check=True, env={"PYTHONPATH": str(REPO_ROOT), "PATH": ""})
     assert out.stdout.strip() == "False"
+
+
+def test_the_benchmark_writes_its_tables_and_plot(tmp_path):
+    """``python -m experiments vnn`` end to end on the bundled data sets, one pass: every method has a
+    row with its times, the privacy rows state σ, and --merge redoes one method keeping the rest."""
+    import json
+
+    from experiments.vnn import main
+
+    main(["--datasets", "digits", "breast-cancer", "--epochs", "1", "--epsilon", "4", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "results.json").read_text())
+    methods = {(r["dataset"], r["method"]) for r in result["rows"]}
+    assert methods == {(d, m) for d in ("digits", "breast-cancer")
+                       for m in ("vfb2-async", "split-sync", "central", "linear")}
+    assert all(r["cpu_seconds_per_epoch"] > 0 for r in result["rows"] if r["method"] != "linear"
+               or r["dataset"] == "digits")
+    assert [r["mode"] for r in result["privacy"]] == ["plain", "dp ε=4"]
+    assert result["privacy"][1]["noise_multiplier"] > 0 and (tmp_path / "accuracy.png").exists()
+    main(["--datasets", "digits", "--methods", "linear", "--epochs", "1", "--merge", "--out", str(tmp_path)])
+    merged = json.loads((tmp_path / "results.json").read_text())
+    assert len(merged["rows"]) == len(result["rows"]) and len(merged["commands"]) == 2
+    assert "| breast-cancer | dp ε=4 |" in (tmp_path / "table.md").read_text()

@@ -31,6 +31,15 @@ from vertical.nn.simulate import predict_proba, simulate  # noqa: E402
 from vertical.partition import random_blocks  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Small layers: one intra-op thread (two spin-waiting threads crawl on a loaded 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _train(ds, bottom, top, *, epochs, batch_size, protection=None, rows=None, seed=0):
     X, y_pm = ds.X_train[:rows], ds.y_train[:rows]
     columns = random_blocks(X.shape[1], 3, seed=seed)

@@ -262,15 +262,17 @@ class VerticalMLPClassifier(ClassifierMixin, BaseEstimator):
     adds Gaussian noise calibrated so that what a passive party receives over ``epochs`` passes is
     (``epsilon``, ``delta``)-label-DP (:mod:`vertical.nn.protection`); ``epsilon_`` is the ε the
     accountant gives for the run. After ``fit``: ``bottoms_``, ``top_``, ``columns_``, ``classes_``,
-    ``history_`` (per epoch: training loss, seconds).
+    ``history_`` (per epoch: training loss, seconds). ``threads``: torch's intra-op threads while
+    fitting and predicting (default 1: these layers are too small to gain from more, and on a busy
+    machine threads that wait for each other cost far more than they give; None leaves torch's setting).
     """
 
     def __init__(self, *, parties: int = 4, bottom: str | list[str] = "*-64-16", top: str = "16-*",
                  columns: str | list = "random", optimizer: str = "adam", lr: float = 1e-3,
                  momentum: float = 0.0, batch_size: int = 64, epochs: int = 10, mode: str = "async",
                  max_staleness: int = 2, label_privacy: str = "none", epsilon: float | None = None,
-                 delta: float = 1e-5, clip: float = 1.0, dtype: str = "float32", seed: int = 0,
-                 verbose: bool = False) -> None:
+                 delta: float = 1e-5, clip: float = 1.0, dtype: str = "float32", threads: int | None = 1,
+                 seed: int = 0, verbose: bool = False) -> None:
         self.parties = parties
         self.bottom = bottom
         self.top = top
@@ -287,6 +289,7 @@ class VerticalMLPClassifier(ClassifierMixin, BaseEstimator):
         self.delta = delta
         self.clip = clip
         self.dtype = dtype
+        self.threads = threads
         self.seed = seed
         self.verbose = verbose
 
@@ -319,7 +322,7 @@ class VerticalMLPClassifier(ClassifierMixin, BaseEstimator):
 
     def fit(self, X, y):
         """Train on ``(X, y)`` by simulated VFB² (one process; see the class docstring)."""
-        from vertical.nn.networks import OptimizerSpec, build_split_network
+        from vertical.nn.networks import OptimizerSpec, build_split_network, torch_threads
         from vertical.nn.simulate import simulate
 
         X = _VerticalEstimator._check_X(X)
@@ -345,9 +348,10 @@ class VerticalMLPClassifier(ClassifierMixin, BaseEstimator):
                 print(f"[VerticalMLPClassifier] epoch {epoch}/{self.epochs}", flush=True)
             return {}
 
-        result = simulate(self.bottoms_, self.top_, labels, epochs=int(self.epochs),
-                          batch_size=self.batch_size, mode=self.mode, max_staleness=self.max_staleness,
-                          seed=self.seed, protection=protection, evaluate=report)
+        with torch_threads(self.threads):
+            result = simulate(self.bottoms_, self.top_, labels, epochs=int(self.epochs),
+                              batch_size=self.batch_size, mode=self.mode, max_staleness=self.max_staleness,
+                              seed=self.seed, protection=protection, evaluate=report)
         self.history_ = result.history
         self.n_features_in_ = X.shape[1]
         self.noise_multiplier_ = None if protection is None else protection.noise_multiplier
@@ -356,13 +360,15 @@ class VerticalMLPClassifier(ClassifierMixin, BaseEstimator):
 
     def predict_proba(self, X) -> np.ndarray:
         """``[n, n_classes]`` class probabilities (scikit-learn's column order, ``classes_``)."""
+        from vertical.nn.networks import torch_threads
         from vertical.nn.simulate import predict_proba
 
         check_is_fitted(self, "top_")
         X = _VerticalEstimator._check_X(X)
         if X.shape[1] != self.n_features_in_:
             raise ValueError(f"X has {X.shape[1]} features, the model was fitted with {self.n_features_in_}")
-        return predict_proba(self.bottoms_, self.top_, [X[:, cols] for cols in self.columns_])
+        with torch_threads(self.threads):
+            return predict_proba(self.bottoms_, self.top_, [X[:, cols] for cols in self.columns_])
 
     def predict(self, X) -> np.ndarray:
         return self.classes_[self.predict_proba(X).argmax(axis=1)]

@@ -22,6 +22,7 @@ so building a model never disturbs the caller's global torch RNG.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,6 +72,20 @@ class OptimizerSpec:
 
 #: The step every model takes unless told otherwise: Adam at 1e-3.
 DEFAULT_OPTIMIZER = OptimizerSpec()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run the block with torch's intra-op threads set to ``n`` (None: leave them), restored after."""
+    before = torch.get_num_threads()
+    if n is not None:
+        if n < 1:
+            raise ValueError(f"threads must be at least 1, got {n}")
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def dtype_of(name: str) -> torch.dtype:
