@@ -586,3 +586,17 @@ def test_the_jobs_benchmark_alternates_the_trees_and_tables_every_job(tmp_path):
     assert "| ou | 4 | new | 82.00 % (80.00, 84.00) | 12.0 (10.0, 14.0) | 1.2 |" in table
     assert table.count("| ou |") == 3 and "test CPU; load average 1.0–2.0" in table
     assert (tmp_path / "label_he_jobs.png").stat().st_size > 0
+
+
+def test_the_noise_simulation_compares_every_mechanism_at_each_epsilon(tmp_path):
+    """``python -m experiments label_dp_sim``: one row per (ε, mechanism), each with its seeds' accuracies,
+    the Gaussian ones with the σ the accountant gives for the run's passes."""
+    from experiments.label_dp_sim import MECHANISMS, main
+
+    main(["--dataset", "breast-cancer", "--epsilons", "2", "--seeds", "2", "--epochs", "1", "--batch", "64",
+          "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["mechanism"] for r in rows] == list(MECHANISMS) and all(len(r["accuracies"]) == 2 for r in rows)
+    # 1 epoch = ⌈455/64⌉ = 8 steps, 7 batches a pass: two releases per row
+    assert rows[1]["sigma"] == pytest.approx(gaussian_noise_multiplier(2.0, 1e-5, 2))
+    assert all(0.5 < r["mean"] <= 1 for r in rows) and "| 2 | rr |" in (tmp_path / "table.md").read_text()
