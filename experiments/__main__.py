@@ -60,6 +60,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                  "--label-privacy he: cost of one encrypted batch, and the HE libraries compared"),
     "label_he_jobs": ("experiments.bench_label_he_jobs",
                       "--label-privacy he on a9a: OU vs Paillier, ε-noise on ϑ vs on decrypted gradients"),
+    "label_dp_sim": ("experiments.label_dp_sim",
+                     "he --epsilon's noise (on ϑ, on the gradient, RR labels) in one process, no HE"),
     "label_attacks": ("experiments.label_attacks",
                       "label inference by a curious passive party from its own transcript, per mode"),
     "default_step": ("experiments.bench_default_step",
