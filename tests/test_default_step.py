@@ -230,8 +230,10 @@ def unscaled_parties(tmp_path_factory):
 def test_features_on_scales_1_to_10000_train_without_flags_where_0_05_diverges(unscaled_parties, tmp_path):
     """No option at all: each party scales its columns, the step comes from the scaled blocks, and one
     pass at B = 16 is well above the majority class and below the loss of w = 0. The paper's γ = 0.05
-    on the features as given diverges (exit 3)."""
-    common = ["--party-files", str(unscaled_parties), "--no-reference", "-B", "16", "--epochs", "1"]
+    on the features as given diverges (exit 3). Lock-step (``sync-global``), so the outcome does not
+    depend on how a loaded machine interleaves the parties (one async run failed at load 19)."""
+    common = ["--party-files", str(unscaled_parties), "--no-reference", "-B", "16", "--epochs", "1",
+              "--mode", "sync-global"]
     result, _ = trained(tmp_path / "default", *common)
     labels = load_party_file(find_party_file(unscaled_parties, 0)).y_test
     majority = max(np.mean(labels > 0), np.mean(labels < 0))
