@@ -56,6 +56,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                       "label inference by a curious passive party from its own transcript, per mode"),
     "default_step": ("experiments.bench_default_step",
                      "test accuracy without --gamma (the step derived from the data) vs NonF, B = 1 and 64"),
+    "control_plane": ("experiments.bench_control_plane",
+                      "barrier-time exchanges: polled point to point (deadlines) vs blocking collectives"),
     "feddro_toy": ("experiments.feddro_toy", "FedDRO vs FedAvg-CO on closed-form problems (Thm 4.1, Fig. 6)"),
 }
 
