@@ -70,6 +70,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                           "candidate default steps simulated in one process: accuracy vs NonF in seconds"),
     "vnn": ("experiments.vnn",
             "split networks by simulated VFB² vs the centralised network (FMNIST, D1, a9a); label attacks"),
+    "control_plane": ("experiments.bench_control_plane",
+                      "barrier-time exchanges: polled point to point (deadlines) vs blocking collectives"),
     "feddro_toy": ("experiments.feddro_toy", "FedDRO vs FedAvg-CO on closed-form problems (Thm 4.1, Fig. 6)"),
 }
 
