@@ -82,6 +82,19 @@ def test_test_rows_are_scaled_with_the_training_rows_statistics():
     assert not np.allclose(apply_scaling(test, scaling)[3:].std(axis=0)[:4], 1.0, rtol=0.5)
 
 
+def test_data_already_on_that_scale_are_left_bit_for_bit():
+    """Breast-cancer as loaded is standardised on its training rows: its scales are 1 and its means 0
+    but for rounding, which counts as exact, so the default changes no bit of the paper's data."""
+    from vertical.datasets import load
+
+    X = load("breast-cancer", seed=0).X_train
+    for mode in ("on", "center"):
+        scaling = fit_scaling(X, mode)
+        assert np.all(scaling.scale == 1.0) and np.all(scaling.shift == 0.0)
+        assert np.array_equal(apply_scaling(X, scaling), X)
+    assert not np.all(fit_scaling(1.001 * X, "on").scale == 1.0)  # a real 0.1 % is not rounding
+
+
 def test_a_block_of_another_width_and_a_huge_dense_copy_are_refused(monkeypatch):
     X = sp.csr_matrix(_columns_on_scales())
     with pytest.raises(ValueError, match="party 2: the scaling is for 6 columns, the block has 4"):
