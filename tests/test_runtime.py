@@ -327,7 +327,8 @@ def test_each_party_keeps_its_block_in_its_own_folder_and_predicts_from_it(tmp_p
     assert not list(out.glob("*.ckpt.npz")) and not list(out.glob("audit-*"))  # what each received is its own
     for rank in range(3):
         assert sorted(p.name for p in (tmp_path / f"org{rank}" / "model").iterdir()) == [
-            f"audit-{rank}.npz", f"party-{rank}.ckpt.npz", f"party-{rank}.prev.ckpt.npz"]
+            f"audit-{rank}.npz", f"party-{rank}.ckpt.npz", f"party-{rank}.prev.ckpt.npz",
+            f"standardize-{rank}.npz"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     subprocess.run([sys.executable, "-m", "vfl.cli", "predict", str(out)], cwd=REPO_ROOT, env=env,
                    check=True, capture_output=True, timeout=120)

@@ -337,7 +337,7 @@ def test_train_on_a_streamed_split_of_a_stand_in(tmp_path: Path) -> None:
     assert vfl(["synth", "news20", "--rows", "300", "--mean-nnz", "60", "--out", str(svm)]) == 0
     assert vfl(["split", str(svm), "-n", "3", "-m", "1", "--out", str(tmp_path / "parties")]) == 0
     proc = train(tmp_path / "run", "-n", "3", "-m", "1", "--party-files", str(tmp_path / "parties"),
-                 "--algorithm", "sgd", "--epochs", "1", "--gamma", "0.5")
+                 "--algorithm", "sgd", "--epochs", "1")  # the step derived from the scaled blocks
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["outcome"] == "budget" and result["updates"] == 240
     assert result["data"].startswith("news20-standin") and "news20-standin" in proc.stdout
