@@ -103,3 +103,25 @@ def guarded(comm: MPI.Comm, rank: int, body: Callable[..., None]) -> Callable[..
             comm.Abort(EXIT_CODES["failed"])
 
     return run
+
+
+def exit_now() -> None:
+    """End this rank at once after a job that finished: flush its output, finalize MPI, then the C
+    library's ``exit(0)``.
+
+    Everything the job writes is complete by then (checkpoints and ``result.json`` are written whole and
+    closed, every thread is joined), so what is skipped is only the interpreter's teardown of numba,
+    scipy and their thousands of objects: 1.3 s of a q = 4 job's wall time on a loaded 2-core machine,
+    0.1 s this way (``python -m experiments startup``). Not ``os._exit``: it skips the C library's exit
+    handlers too, and Hydra's proxy then took 10-30 % of such exits, after a complete ``MPI_Finalize``,
+    for a crash and SIGKILLed the other ranks of a job that had finished (a 3-rank job that only
+    finalizes, measured here: 20 of 100 loaded runs, 0 of 300 with ``exit``; ``test_rank_exit.py``).
+    A rank that fails never gets here: it aborts the job with its own exit code.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+    libc = ctypes.CDLL(None)
+    libc.exit(0)
+    os._exit(0)  # no C library to call (not reached on Linux)

@@ -19,8 +19,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -198,12 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     run(add_arguments(argparse.ArgumentParser(prog="vfl party")).parse_args(argv))
     # Every file of the run is closed: leave without tearing the interpreter down module by module,
     # which took 5-25 s on a loaded machine (numba, scipy) after the run was over.
-    from mpi4py import MPI
+    from parties.lifecycle import exit_now
 
-    sys.stdout.flush()
-    sys.stderr.flush()
-    MPI.Finalize()
-    os._exit(0)
+    exit_now()
 
 
 if __name__ == "__main__":
