@@ -338,16 +338,19 @@ def _outcome(config: JobPlan, out: Path) -> int:
     return EXIT_CODES["ok"]
 
 
-def run_mpi_module(ranks: int, module: str, args: list[str], *,
-                   extra_env: dict[str, str] | None = None, echo: bool = True) -> tuple[int, str]:
+def run_mpi_module(ranks: int, module: str, args: list[str], *, extra_env: dict[str, str] | None = None,
+                   echo: bool = True, keep: str = "output") -> tuple[int, str]:
     """``mpiexec -n ranks python -m mpi4py -m module args``, with this checkout importable.
 
     The job's output passes through unchanged (progress bars included); the last 64 KiB of it are
-    returned with the exit code to explain a failure. ``python -m mpi4py`` makes an uncaught
-    exception in any rank abort the whole job instead of hanging it. ``mpiexec`` and the ranks die with
-    this process, however it ends (:mod:`parties.orphans`). On Ctrl-C the job is stopped
-    (SIGINT to ``mpiexec``, which forwards it; SIGKILL after 10 s), the ranks' interrupted tracebacks
-    are not shown, and ``KeyboardInterrupt`` propagates once the job is gone.
+    returned with the exit code to explain a failure. ``keep="output"``: standard error is merged
+    into standard output; ``keep="stderr"``: standard output goes straight to this process's and
+    only standard error passes through here and is kept (``vfl party``, whose stop line is there).
+    ``python -m mpi4py`` makes an uncaught exception in any rank abort the whole job instead of
+    hanging it. ``mpiexec`` and the ranks die with this process, however it ends
+    (:mod:`parties.orphans`). On Ctrl-C the job is stopped (SIGINT to ``mpiexec``, which forwards
+    it; SIGKILL after 10 s), the ranks' interrupted tracebacks are not shown, and
+    ``KeyboardInterrupt`` propagates once the job is gone.
     """
     import os
 
@@ -356,15 +359,20 @@ def run_mpi_module(ranks: int, module: str, args: list[str], *,
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     # tied: if this process dies, even by SIGKILL, mpiexec does too, and with it the ranks (orphans.py)
-    proc = subprocess.Popen(tied_command(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    assert proc.stdout is not None
+    if keep == "stderr":
+        proc = subprocess.Popen(tied_command(cmd), env=env, stderr=subprocess.PIPE)
+        pipe, sink = proc.stderr, sys.stderr.buffer
+    else:
+        proc = subprocess.Popen(tied_command(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        pipe, sink = proc.stdout, sys.stdout.buffer
+    assert pipe is not None
     tail = bytearray()
-    fd = proc.stdout.fileno()
+    fd = pipe.fileno()
     try:
         while chunk := os.read(fd, 65536):
             if echo:
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.buffer.flush()
+                sink.write(chunk)
+                sink.flush()
             tail += chunk
             del tail[:-65536]
     except KeyboardInterrupt:

@@ -330,6 +330,47 @@ def _party_process(org: Org) -> int | None:
     return None
 
 
+def _processes_naming(folder: Path) -> list[int]:
+    """Processes whose command line holds ``folder`` (a party's mpiexec and its member process)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(folder).encode() in (entry / "cmdline").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_killing_vfl_party_leaves_no_mpiexec_or_party_process_behind(split, tmp_path):
+    import signal
+
+    orgs = make_orgs(tmp_path, split)
+    write_jobs(orgs, f"127.0.0.1:{free_port()}")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    leader = subprocess.Popen(orgs[0].command("--join-timeout", "120"), cwd=REPO_ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 90
+    try:
+        # its mpiexec and its member process run, the member waiting for the others to join
+        while len([p for p in _processes_naming(orgs[0].run) if p != leader.pid]) < 2:
+            assert time.monotonic() < deadline and leader.poll() is None, "the leader's party never started"
+            time.sleep(0.1)
+        leader.kill()  # SIGKILL: vfl party runs no cleanup at all
+        leader.wait()
+        gone_by = time.monotonic() + 5
+        while _processes_naming(orgs[0].run) and time.monotonic() < gone_by:
+            time.sleep(0.1)
+        survivors = _processes_naming(orgs[0].run)
+        assert not survivors, f"alive 5 s after vfl party's death: {survivors}"
+    finally:  # leave nothing behind for the next test, whatever the verdict
+        leader.kill()
+        for pid in _processes_naming(orgs[0].run):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.mpi
 def test_a_party_killed_mid_run_ends_the_run_and_resume_continues_from_the_agreed_epoch(split, tmp_path):
     import signal

@@ -216,35 +216,11 @@ def _exit_code(args: argparse.Namespace, code: int | None, errors: str) -> int:
 
 
 def run_member(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
-    """``mpiexec -n 1 python -m mpi4py -m parties.federation.member argv``: its standard output passes
-    through, its standard error too and the last 64 KiB of it come back with the exit code (for the
-    stop line of :func:`parties.outcomes.find_stop`). On Ctrl-C the party is stopped (SIGINT, then
-    SIGKILL after 10 s) and KeyboardInterrupt propagates."""
-    import signal
-    import subprocess
+    """``mpiexec -n 1 python -m mpi4py -m parties.federation.member argv``, tied to this process (no
+    orphan if it is killed, :mod:`parties.orphans`): its standard output passes through, its standard
+    error too and the last 64 KiB of it come back with the exit code (for the stop line of
+    :func:`parties.outcomes.find_stop`). On Ctrl-C the party is stopped (SIGINT, then SIGKILL after
+    10 s) and KeyboardInterrupt propagates."""
+    from parties.launch import run_mpi_module
 
-    from parties.launch import mpiexec_path
-
-    module = "parties.federation.member"
-    cmd = [mpiexec_path(), "-n", "1", sys.executable, "-m", "mpi4py", "-m", module, *argv]
-    full = {**os.environ, **env}
-    root = str(Path(__file__).resolve().parents[2])
-    full["PYTHONPATH"] = root + (os.pathsep + full["PYTHONPATH"] if full.get("PYTHONPATH") else "")
-    proc = subprocess.Popen(cmd, env=full, stderr=subprocess.PIPE)
-    assert proc.stderr is not None
-    tail = bytearray()
-    try:
-        while chunk := os.read(proc.stderr.fileno(), 65536):
-            sys.stderr.buffer.write(chunk)
-            sys.stderr.buffer.flush()
-            tail += chunk
-            del tail[:-65536]
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-        raise
-    return proc.wait(), tail.decode(errors="replace")
+    return run_mpi_module(1, "parties.federation.member", argv, extra_env=env, keep="stderr")

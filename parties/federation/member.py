@@ -65,9 +65,11 @@ def run(args: argparse.Namespace) -> None:
     from parties.federation.join import follow, lead
     from parties.lifecycle import report_verdicts_to
     from parties.loading import load_party
+    from parties.orphans import die_with_parent
     from parties.rank import train_guarded
     from parties.runtime import name_os_thread
 
+    die_with_parent()  # no orphan party if its proxy is killed (parties/orphans.py)
     name = args.name
 
     def say(line: str) -> None:
