@@ -5,7 +5,7 @@ Why: one step size serves every column, and the step the data allows is set by t
 slower (its weight must grow a thousandfold, with steps a thousandfold shorter in its direction). Raw
 measurements in different units (a credit limit in dollars beside an age in years) are like that; the
 generated file of ``experiments/_unscaled.py`` (scales 1 to 10⁴) ends 10 epochs about 15 points below
-NonF as given, and scaled at NonF of the scaled problem (``experiments/results/ README.md``, "The
+NonF as given, and scaled at NonF of the scaled problem (``experiments/results/README.md``, "The
 default step and scaling"). Scaling each column to one common scale is a change of each party's own
 variables: w_j·x_j = (w_j·s_j)·(x_j/s_j), so the model class is the same and only the regulariser sees
 the scales.
