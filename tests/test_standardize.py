@@ -5,7 +5,8 @@ a party keeps its scaling in its own folder and reads it back (checked) on resum
 run from before the option is read as ``off``, and that the launcher's f* is the scaled problem's.
 MPI jobs on a generated file of features on scales 1 to 10⁴: ``vfl predict`` scores with the scaling
 training used (``on`` at B = 16), ``center`` under ``--label-privacy dp`` resumes and predicts, and
-under ``--label-privacy he`` every party steps from its own scaled block.
+under ``--label-privacy he`` every party steps from its own scaled block, and so do the lock-step
+modes under ``center``.
 """
 
 from __future__ import annotations
@@ -262,16 +263,36 @@ def test_center_under_label_dp_resumes_and_predicts_with_the_same_statistics(tmp
     assert resumed["record"]["loss"] < np.log(2)
 
 
-@pytest.mark.mpi
-def test_under_he_each_party_steps_from_its_own_scaled_block(tmp_path):
-    """``--label-privacy he`` in sync mode takes exactly plain mini-batch SGD's steps (as
-    ``tests/test_label_he.py`` shows on breast-cancer, whose scaling is 1): here on features of scales 1
-    to 10⁴, so the passive parties' encrypted gradients must come from their scaled blocks."""
+def _small_split(tmp_path: Path) -> Path:
+    """600 rows of 45 columns on scales 1 to 10⁴, split for q = 3, m = 1."""
     source = write_unscaled_libsvm(tmp_path / "small.libsvm", rows=600, columns=45)
     files = tmp_path / "parties"
     proc = vfl("split", str(source), "-n", "3", "-m", "1", "--task", "binary", "--n-features", "45",
                "--out", str(files))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return files
+
+
+def _plain_minibatch_sgd(blocks: list, y: np.ndarray, gamma: float, lam: float, batch: int, *,
+                         epochs: float) -> list[np.ndarray]:
+    """Mini-batch SGD on the blocks in one process, with the rows the lock-step runtime draws (seed 0)."""
+    n = y.size
+    problem = get_problem("logistic", lam=lam)
+    ws = [np.zeros(b.shape[1]) for b in blocks]
+    for rows in np.random.default_rng([0, 0]).integers(0, n, size=(math.ceil(epochs * n / batch), batch)):
+        theta = problem.theta(sum(b[rows] @ w for b, w in zip(blocks, ws, strict=True)), y[rows])
+        for b, w in zip(blocks, ws, strict=True):
+            w -= gamma * lam * w
+            w -= gamma / batch * (b[rows].T @ theta)
+    return ws
+
+
+@pytest.mark.mpi
+def test_under_he_each_party_steps_from_its_own_scaled_block(tmp_path):
+    """``--label-privacy he`` in sync mode takes exactly plain mini-batch SGD's steps (as
+    ``tests/test_label_he.py`` shows on breast-cancer, whose scaling is 1): here on features of scales 1
+    to 10⁴, so the passive parties' encrypted gradients must come from their scaled blocks."""
+    files = _small_split(tmp_path)
     run, batch, lam = tmp_path / "run", 32, 0.1
     result = _train(run, "--party-files", str(files), "-n", "3", "-m", "1", "--algorithm", "sgd", "--mode",
                     "sync", "-B", str(batch), "--epochs", "0.5", "--label-privacy", "he", "--lam", str(lam))
@@ -283,14 +304,31 @@ def test_under_he_each_party_steps_from_its_own_scaled_block(tmp_path):
         assert scaling.scale.max() > 100  # the scaling is far from 1
         blocks.append(sp.csr_matrix(apply_scaling(data.X_train, scaling)))
     y = load_party_file(find_party_file(files, 0)).y_train
-    n, gamma = y.size, result["gamma"]
-    problem = get_problem("logistic", lam=lam)
-    ws = [np.zeros(b.shape[1]) for b in blocks]
-    for rows in np.random.default_rng([0, 0]).integers(0, n, size=(math.ceil(0.5 * n / batch), batch)):
-        theta = problem.theta(sum(b[rows] @ w for b, w in zip(blocks, ws, strict=True)), y[rows])
-        for b, w in zip(blocks, ws, strict=True):
-            w -= gamma * lam * w
-            w -= gamma / batch * (b[rows].T @ theta)
+    ws = _plain_minibatch_sgd(blocks, y, result["gamma"], lam, batch, epochs=0.5)
+    for rank, plain in enumerate(ws):
+        with np.load(run / f"party-{rank}.ckpt.npz") as z:
+            assert np.max(np.abs(plain)) > 0.01
+            assert np.max(np.abs(z["w"] - plain)) < 1e-6, rank
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["sync", "sync-global"])
+def test_center_in_lock_step_takes_mini_batch_sgds_steps_on_the_centred_blocks(tmp_path, mode):
+    """The lock-step modes with ``--standardize center`` (a sparse block made dense, shifted and
+    scaled) take exactly plain mini-batch SGD's steps on each party's centred block."""
+    files = _small_split(tmp_path)
+    run, batch, lam = tmp_path / "run", 32, 0.1
+    result = _train(run, "--party-files", str(files), "-n", "3", "-m", "1", "--algorithm", "sgd", "--mode",
+                    mode, "-B", str(batch), "--epochs", "0.5", "--standardize", "center", "--lam", str(lam))
+    plan = JobPlan.from_json((run / "config.json").read_text())
+    blocks = []
+    for rank in range(3):
+        data = load_party_file(find_party_file(files, rank))
+        scaling = read_scaling(scaling_path(plan, rank), data.X_train.shape[1], "center")
+        assert scaling.centers and scaling.scale.max() > 100  # far from as given
+        blocks.append(np.asarray(apply_scaling(data.X_train, scaling)))
+    y = load_party_file(find_party_file(files, 0)).y_train
+    ws = _plain_minibatch_sgd(blocks, y, result["gamma"], lam, batch, epochs=0.5)
     for rank, plain in enumerate(ws):
         with np.load(run / f"party-{rank}.ckpt.npz") as z:
             assert np.max(np.abs(plain)) > 0.01
