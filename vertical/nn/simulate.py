@@ -78,29 +78,9 @@ def simulate(parties: Sequence[PartyModel], top: TopModel, y: np.ndarray, *, epo
     schedule); the protected mode refuses it, its accounting needs one release per row and pass.
     """
     q = len(parties)
-    if q < 1 or not 0 <= dominator < q:
-        raise ValueError(f"need at least one party and a dominator in 0..{q - 1}, got {q}, {dominator}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if lags not in ("uniform", "fixed"):
-        raise ValueError(f"lags must be 'uniform' or 'fixed', got {lags!r}")
-    if epochs < 1:
-        raise ValueError(f"epochs must be at least 1, got {epochs}")
-    if protection is not None and batches is not None:
-        raise ValueError("the protected mode draws its own batches (one release per row and pass)")
-    widths = {p.k for p in parties} | {top.k}
-    rows_per_party = {p.n_rows for p in parties}
-    if len(widths) != 1:
-        raise ValueError(f"every party and the top must share the width k, got {sorted(widths)}")
+    taus = _checked(parties, top, y, epochs=epochs, mode=mode, max_staleness=max_staleness, lags=lags,
+                    dominator=dominator, protected=protection is not None, replayed=batches is not None)
     y = np.asarray(y)
-    if rows_per_party != {y.shape[0]}:
-        raise ValueError(f"the parties hold {sorted(rows_per_party)} rows and there are {y.shape[0]} labels")
-    taus = [int(max_staleness)] * q if np.isscalar(max_staleness) else [int(t) for t in max_staleness]
-    if len(taus) != q or min(taus) < 0:
-        raise ValueError(f"max_staleness must be one τ >= 0 or one per party ({q}), got {max_staleness}")
-    if mode != "async":
-        taus = [0] * q
-    taus[dominator] = 0
 
     rng = np.random.default_rng(seed)
     lag_rng = np.random.default_rng([seed, 1])
@@ -158,3 +138,34 @@ def predict_proba(parties: Sequence[PartyModel], top: TopModel, blocks: Sequence
     for model, X in zip(parties[1:], blocks[1:], strict=True):
         z = z + model.embed(X)
     return top.predict_proba(z)
+
+
+def _checked(parties: Sequence[PartyModel], top: TopModel, y, *, epochs: int, mode: str, max_staleness,
+             lags: str, dominator: int, protected: bool, replayed: bool) -> list[int]:
+    """:func:`simulate`'s arguments checked, one line per mistake; returns τ per party (0 for the
+    dominator, and for every party outside ``async``)."""
+    q = len(parties)
+    if q < 1 or not 0 <= dominator < q:
+        raise ValueError(f"need at least one party and a dominator in 0..{q - 1}, got {q}, {dominator}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if lags not in ("uniform", "fixed"):
+        raise ValueError(f"lags must be 'uniform' or 'fixed', got {lags!r}")
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {epochs}")
+    if protected and replayed:
+        raise ValueError("the protected mode draws its own batches (one release per row and pass)")
+    widths = {p.k for p in parties} | {top.k}
+    rows_per_party = {p.n_rows for p in parties}
+    if len(widths) != 1:
+        raise ValueError(f"every party and the top must share the width k, got {sorted(widths)}")
+    y = np.asarray(y)
+    if rows_per_party != {y.shape[0]}:
+        raise ValueError(f"the parties hold {sorted(rows_per_party)} rows and there are {y.shape[0]} labels")
+    taus = [int(max_staleness)] * q if np.isscalar(max_staleness) else [int(t) for t in max_staleness]
+    if len(taus) != q or min(taus) < 0:
+        raise ValueError(f"max_staleness must be one τ >= 0 or one per party ({q}), got {max_staleness}")
+    if mode != "async":
+        taus = [0] * q
+    taus[dominator] = 0
+    return taus
