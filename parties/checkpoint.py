@@ -1,10 +1,12 @@
 """Per-party checkpoints: each party saves only its own block (never anyone else's), consistently.
 
-A party's checkpoint is ``party-<rank>.ckpt.npz`` in the party's own folder (``--party-dir``, by
-default the run's ``--out``; only that party writes or reads it): its block ``w``, the epochs and
-dominated updates done, the training time spent and the base step γ (so a resumed run steps as it
-started). The algorithm state (SVRG snapshot, SAGA table) is rebuilt from the restored ``w`` by the
-next full pass, which is the same as starting a new outer loop there.
+A party's checkpoint is ``party-<rank>.ckpt.npz`` in the party's own folder (``--party-dir``, by default
+the run's ``--out``; only that party writes or reads it): its block ``w``, the epochs and dominated
+updates done, the training time spent, the base step γ (so a resumed run steps as it started) and, for a
+dominator, where its row sampler stands (:func:`sampler_words`), so that a resumed lock-step run draws
+the rows the uninterrupted run would have drawn. The algorithm state (SVRG snapshot, SAGA table) is
+rebuilt from the restored ``w`` by the next full pass, which is the same as starting a new outer loop
+there.
 
 Why a manifest: an interrupt can stop the parties between their writes, leaving some blocks one
 epoch ahead of the others, and mixing them would resume from a model no run ever had. So an epoch is
@@ -47,6 +49,40 @@ class Checkpoint:
     updates: int
     #: the run's base step (None in a checkpoint written before it was kept)
     gamma: float | None = None
+    #: the dominator's row sampler (:func:`sampler_words`; None: not kept, or a passive party)
+    sampler: np.ndarray | None = None
+
+
+#: the PCG64 state as words: state and increment (128 bits each, high word first), the cached-half flag
+#: and the cached half
+SAMPLER_WORDS = 6
+
+
+def sampler_words(rng: np.random.Generator) -> np.ndarray:
+    """Where a PCG64 generator stands, as :data:`SAMPLER_WORDS` unsigned 64-bit words (no pickle)."""
+    state = rng.bit_generator.state
+    if state["bit_generator"] != "PCG64":
+        raise ValueError(f"only a PCG64 sampler is kept, not {state['bit_generator']}")
+    mask = 2**64 - 1
+    core, inc = state["state"]["state"], state["state"]["inc"]
+    return np.array([core >> 64, core & mask, inc >> 64, inc & mask, state["has_uint32"], state["uinteger"]],
+                    dtype=np.uint64)
+
+
+def sampler_from_words(words: np.ndarray, where: str) -> np.random.Generator:
+    """A PCG64 generator at the state :func:`sampler_words` wrote, checked like any file read back: six
+    words, an odd increment (PCG64's are), a cached-half flag of 0 or 1 and a 32-bit cached half."""
+    words = np.asarray(words)
+    if words.shape != (SAMPLER_WORDS,) or words.dtype != np.uint64:
+        raise ValueError(f"{where} is damaged: the sampler is not {SAMPLER_WORDS} unsigned words")
+    core_hi, core_lo, inc_hi, inc_lo, has_half, half = (int(x) for x in words)
+    if inc_lo % 2 == 0 or has_half > 1 or half >= 2**32:
+        raise ValueError(f"{where} is damaged: the sampler's words are no PCG64 state")
+    rng = np.random.Generator(np.random.PCG64())
+    rng.bit_generator.state = {"bit_generator": "PCG64",
+                               "state": {"state": (core_hi << 64) | core_lo, "inc": (inc_hi << 64) | inc_lo},
+                               "has_uint32": has_half, "uinteger": half}
+    return rng
 
 
 def checkpoint_path(out: str | Path, rank: int) -> Path:
@@ -74,7 +110,8 @@ def atomic_write(path: Path, write) -> None:
 
 
 def save_checkpoint(out: str | Path, rank: int, w: np.ndarray, epochs: float, train_time: float,
-                    updates: int, keep: float | None = None, gamma: float | None = None) -> Path:
+                    updates: int, keep: float | None = None, gamma: float | None = None,
+                    sampler: np.ndarray | None = None) -> Path:
     """Write this party's block for the epoch just finished without losing the last marked one.
 
     ``keep`` is the last epoch the leader marked complete (``None``: none of this run yet). The newest
@@ -87,6 +124,8 @@ def save_checkpoint(out: str | Path, rank: int, w: np.ndarray, epochs: float, tr
     if held is not None and abs(held - keep) <= 1e-9:
         os.replace(path, _previous_path(out, rank))
     extra = {} if gamma is None else {"gamma": gamma}
+    if sampler is not None:
+        extra["sampler"] = sampler
     atomic_write(path, lambda fh: np.savez(fh, w=w, epochs=epochs, train_time=train_time, updates=updates,
                                            **extra))
     return path
@@ -176,6 +215,10 @@ def _read(path: Path, n_features: int | None = None) -> tuple[dict[str, np.ndarr
                 if npz_member_shape(z, "gamma") != ():
                     raise ValueError("gamma is not one number")
                 arrays["gamma"] = z["gamma"]
+            if "sampler" in z.files:
+                if npz_member_shape(z, "sampler") != (SAMPLER_WORDS,):
+                    raise ValueError(f"the sampler is not {SAMPLER_WORDS} words")
+                arrays["sampler"] = z["sampler"]
             shape = npz_member_shape(z, "w")
             if n_features is not None and shape == (n_features,):
                 arrays["w"] = z["w"]
@@ -224,7 +267,11 @@ def _restored(path: Path, rank: int, n_features: int, epochs: float) -> Checkpoi
     gamma = _scalar(z, "gamma", path) if "gamma" in z else None
     if gamma is not None and not (math.isfinite(gamma) and gamma > 0):
         raise ValueError(f"{path} is damaged: gamma {gamma!r} is not a positive step")
-    return Checkpoint(w, epochs, float(train_time), int(updates), None if gamma is None else float(gamma))
+    sampler = z.get("sampler")
+    if sampler is not None:
+        sampler_from_words(sampler, str(path))  # refused here, before any rank trains from it
+    return Checkpoint(w, epochs, float(train_time), int(updates), None if gamma is None else float(gamma),
+                      sampler)
 
 
 def _epochs_in(path: Path) -> float | None:

@@ -471,6 +471,16 @@ class DataPlane:
             self.results.pop(rid).put(step.event.result())
         return slot
 
+    @property
+    def sampler(self) -> np.random.Generator:
+        """This dominator's row sampler (without ``--epsilon``'s pass batches); a checkpoint keeps where
+        it stands, so a resumed lock-step run draws the rows the uninterrupted one would have."""
+        return self._rng
+
+    @sampler.setter
+    def sampler(self, rng: np.random.Generator) -> None:
+        self._rng = rng
+
     def dominate(self, n_steps: int, deadline: float | None = None) -> int:
         """Run ``n_steps`` dominated updates (Alg. 2/4/6) of ``batch_size`` rows each; returns how many
         were done.

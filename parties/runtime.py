@@ -153,6 +153,15 @@ class PartyRuntime:
     def finish_segment(self) -> None:
         self.plane.finish_segment()
 
+    @property
+    def sampler(self) -> np.random.Generator:
+        """This dominator's row sampler (:attr:`DataPlane.sampler`)."""
+        return self.plane.sampler
+
+    @sampler.setter
+    def sampler(self, rng: np.random.Generator) -> None:
+        self.plane.sampler = rng
+
     def drain(self) -> None:
         """The global barrier at the end of a segment (:meth:`DataPlane.drain`)."""
         self.plane.drain()

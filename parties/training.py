@@ -27,6 +27,8 @@ from parties.checkpoint import (
     load_checkpoint,
     mark_complete,
     metrics_before,
+    sampler_from_words,
+    sampler_words,
     save_checkpoint,
 )
 from parties.config import RunConfig
@@ -161,7 +163,8 @@ class _Trainer:
             next_snapshot = self._segment(next_snapshot)
             record = self._evaluate()
             save_checkpoint(self.folder, self.rank, party.w, self.epochs, self.train_time, self.updates,
-                            keep=self.marked, gamma=self.gamma)
+                            keep=self.marked, gamma=self.gamma,
+                            sampler=sampler_words(self.rt.sampler) if party.active else None)
             self.rt.barrier()  # every party has written this epoch's block: it is complete
             if self.rank == LEADER:
                 mark_complete(self.out, self.epochs)
@@ -183,6 +186,8 @@ class _Trainer:
         ckpt = load_checkpoint(self.folder, self.rank, self.party.block.n_cols, epochs)
         self.party.w[:] = ckpt.w
         self.epochs, self.train_time, self.updates = ckpt.epochs, ckpt.train_time, ckpt.updates
+        if ckpt.sampler is not None and self.party.active:  # the rows the run would have drawn next
+            self.rt.sampler = sampler_from_words(ckpt.sampler, "this party's checkpoint")
         if self.rank == LEADER:
             print(f"resuming from epoch {ckpt.epochs:g}, the newest epoch every party completed "
                   f"({ckpt.updates} dominated updates, {ckpt.train_time:.2f} s of training so far)",

@@ -14,6 +14,8 @@ from parties.checkpoint import (
     load_checkpoint,
     mark_complete,
     metrics_before,
+    sampler_from_words,
+    sampler_words,
     save_checkpoint,
 )
 
@@ -85,6 +87,25 @@ def test_the_step_is_kept_with_the_block_and_an_older_file_has_none(tmp_path):
     assert load_checkpoint(tmp_path, 0, 3, 1.0).gamma == 0.125
     np.savez(checkpoint_path(tmp_path, 1), w=np.zeros(3), epochs=1.0, train_time=0.5, updates=3)
     assert load_checkpoint(tmp_path, 1, 3, 1.0).gamma is None  # written before the step was kept
+
+
+def test_a_dominators_sampler_is_kept_and_goes_on_where_it_stood(tmp_path):
+    rng = np.random.default_rng([0, 2])
+    rng.integers(0, 100, size=(7, 3))
+    rng.random(dtype=np.float32)  # leaves half a word cached
+    save_checkpoint(tmp_path, 0, np.ones(3), 1.0, 0.5, 3, sampler=sampler_words(rng))
+    restored = sampler_from_words(load_checkpoint(tmp_path, 0, 3, 1.0).sampler, "test")
+    assert restored.integers(0, 10**9, size=50).tolist() == rng.integers(0, 10**9, size=50).tolist()
+
+
+@pytest.mark.parametrize("words", [np.arange(5, dtype=np.uint64), np.zeros(6, dtype=np.uint64),
+                                   np.array([1, 2, 3, 5, 2, 0], dtype=np.uint64),
+                                   np.array([1, 2, 3, 5, 1, 2**33], dtype=np.uint64), np.ones(6)])
+def test_a_damaged_sampler_is_refused_before_training(tmp_path, words):
+    np.savez(checkpoint_path(tmp_path, 0), w=np.zeros(3), epochs=1.0, train_time=0.5, updates=3,
+             sampler=words)
+    with pytest.raises((ValueError, FileNotFoundError), match="damaged"):
+        load_checkpoint(tmp_path, 0, 3, 1.0)
 
 
 def test_a_pickled_block_is_not_unpickled(tmp_path):
