@@ -35,7 +35,7 @@ class MicroBatcher:
         self.score, self.window, self.max_rows = score, window, max_rows
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._held: _Pending | None = None  # a request that did not fit the last batch: first of the next
-        self.batches = 0
+        self.batches = self.requests = 0  # scored so far (GET /health shows them)
 
     async def submit(self, ids: np.ndarray) -> BatchScores:
         """This request's own scores (``ids`` has at most ``max_rows`` ids)."""
@@ -85,6 +85,7 @@ class MicroBatcher:
                     pending.future.set_exception(error)
             return
         self.batches += 1
+        self.requests += len(batch)
         start = 0
         for pending in batch:
             stop = start + pending.ids.size
