@@ -36,6 +36,7 @@ class MicroBatcher:
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._held: _Pending | None = None  # a request that did not fit the last batch: first of the next
         self.batches = self.requests = 0  # scored so far (GET /health shows them)
+        self.busy_seconds = 0.0  # time spent in score(): the federation's share of a request's latency
 
     async def submit(self, ids: np.ndarray) -> BatchScores:
         """This request's own scores (``ids`` has at most ``max_rows`` ids)."""
@@ -77,6 +78,7 @@ class MicroBatcher:
 
     async def _score(self, batch: list[_Pending]) -> None:
         ids = np.concatenate([p.ids for p in batch])
+        started = time.perf_counter()
         try:
             scores = await self.score(ids)
         except Exception as error:  # every request of the batch gets the failure (e.g. a party is gone)
@@ -84,6 +86,7 @@ class MicroBatcher:
                 if not pending.future.done():
                     pending.future.set_exception(error)
             return
+        self.busy_seconds += time.perf_counter() - started
         self.batches += 1
         self.requests += len(batch)
         start = 0

@@ -106,7 +106,8 @@ def build_app(batcher: MicroBatcher, *, task: str, parties: int, on_failure: Cal
             return _error(503, state["failed"])
         return web.json_response({"status": "ok", "parties": parties, "task": task,
                                   "max_batch": batcher.max_rows, "window_ms": window_ms,
-                                  "requests": batcher.requests, "batches": batcher.batches})
+                                  "requests": batcher.requests, "batches": batcher.batches,
+                                  "aggregation_seconds": round(batcher.busy_seconds, 6)})
 
     app = web.Application(client_max_size=max(1 << 20, 32 * batcher.max_rows))
     app.router.add_post("/score", score)
