@@ -11,7 +11,7 @@ import scipy.sparse as sp
 
 from parties.serving import wire
 from parties.serving.batching import MicroBatcher
-from parties.serving.federation import BatchScores
+from parties.serving.federation import BatchScores, contribution
 from parties.serving.front import UNKNOWN_ID, BadRequest, answer, parse_request
 from parties.serving.launch import check_options
 from parties.serving.store import PartyModel
@@ -74,12 +74,19 @@ def test_the_request_a_passive_party_receives_is_checked_whole():
             wire.decode_request(bad, nbytes, max_batch=4)
 
 
-def test_an_answer_of_a_passive_party_is_checked():
-    assert wire.decode_known(2, np.array([1, 0, 1], dtype=np.uint8), 3, 3).tolist() == [True, False, True]
-    with pytest.raises(ProtocolViolation, match="party 2 sent an invalid serving answer"):
-        wire.decode_known(2, np.array([1, 0], dtype=np.uint8), 2, 3)
+def test_an_acknowledgement_of_a_passive_party_is_checked():
+    wire.check_ack(2, np.array([3]), 8, 3)
+    with pytest.raises(ProtocolViolation, match="party 2 sent an invalid serving acknowledgement"):
+        wire.check_ack(2, np.array([4]), 8, 3)
     with pytest.raises(ProtocolViolation, match="party 1 sent"):
-        wire.decode_known(1, np.array([1, 2], dtype=np.uint8), 2, 2)
+        wire.check_ack(1, np.array([3]), 4, 3)
+
+
+def test_a_party_contributes_nothing_for_an_id_it_does_not_hold_and_says_so_in_the_count():
+    rows = sp.csr_matrix(np.array([[1.0, 2.0], [3.0, 4.0]]))
+    model = PartyModel(1, np.array([1.0, 10.0]), rows, np.array([10, 20]), np.array([0, 1]), None)
+    values = contribution(model, np.array([20, 99, 10]))
+    assert values.tolist() == [43.0, 0.0, 21.0, 1.0, 0.0, 1.0]
 
 
 @pytest.mark.parametrize("options, says", [((-1, 1, 8, 1), "--port"), ((80, -1, 8, 1), "--window-ms"),

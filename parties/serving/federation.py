@@ -1,21 +1,22 @@
 """The federation behind the endpoint: the leader's :class:`Federation` and the passive parties' loop.
 
-One scoring round for a batch of ids (every party takes part, in this order):
+One scoring round for a batch of n ids (every party takes part, in this order):
 
-1. the leader sends the ids to every passive party (:mod:`parties.serving.wire`);
-2. each passive party answers which of them it holds;
-3. the rows every party holds are scored by the secure aggregation of training and ``vfl predict``
-   (:class:`protocols.secure_aggregation.SecureAggregator`): each party contributes its masked
-   ``w_l·x`` for those positions, and only the leader learns ``z = w·x``; the others get a per-id
-   "unknown" answer and are never aggregated (no score is ever made of a missing party's zeros).
+1. the leader sends the ids to every passive party (:mod:`parties.serving.wire`); each acknowledges
+   at once, straight to the leader (the acknowledgement is what names a party that falls silent);
+2. every party contributes ``2n`` values to one secure sum at the leader (the masked trees of
+   :class:`protocols.secure_aggregation.SecureAggregator`, as in training and ``vfl predict``): its
+   ``w_l·x_i`` for the ids it holds (0 for the others), then 1 for each id it holds (0 otherwise);
+3. the leader gets ``z_i = w·x_i`` and, per id, *how many* parties hold it: an id held by fewer than
+   q parties gets a per-id "unknown" answer, never a score made without some party's features.
 
-So a passive party learns the ids asked for and which of them every party holds, nothing else. Only
-the leader's thread that calls :meth:`Federation.score` touches MPI at the leader.
+So a passive party learns the ids asked for, nothing else; the leader learns the scores and how many
+parties hold each id, not which. Only one thread of the leader (the one that calls
+:meth:`Federation.score`) touches MPI there.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,72 +25,77 @@ from mpi4py import MPI
 from parties.serving import wire
 from parties.serving.store import PartyModel
 from protocols.errors import ProtocolViolation
-from protocols.liveness import Backoff
+from protocols.liveness import Backoff, PeerTimeout
 
 
 class PartyUnavailable(RuntimeError):
-    """A passive party did not answer within the peer timeout: the endpoint answers 503 naming it."""
+    """A party stopped taking part within the peer timeout: the endpoint answers 503 naming it."""
 
-    def __init__(self, rank: int, seconds: float) -> None:
+    def __init__(self, rank: int | None, seconds: float) -> None:
         self.rank = rank
-        super().__init__(f"party {rank} did not answer within {seconds:g} s")
+        who = "a party" if rank is None else f"party {rank}"
+        super().__init__(f"{who} did not answer within {seconds:g} s")
 
 
 @dataclass
 class BatchScores:
-    """The scores of one batch: ``z[k]`` for position k where ``held[k]`` (every party holds that id),
-    NaN elsewhere."""
+    """The scores of one batch: ``z[k]`` where ``held[k]`` (every party holds that id), NaN elsewhere."""
 
     z: np.ndarray
     held: np.ndarray
 
 
+def contribution(model: PartyModel, ids: np.ndarray) -> np.ndarray:
+    """This party's ``2n`` values of a round: ``w_l·x_i`` where it holds id i (else 0), then 1/0 held."""
+    rows = model.lookup(ids)
+    held = rows >= 0
+    values = np.zeros(2 * ids.size)
+    if held.any():
+        values[:ids.size] = np.where(held, model.request_rows(rows) @ model.w, 0.0)
+    values[ids.size:] = held
+    return values
+
+
 class Federation:
     """The leader's side: score a batch of ids through the live parties (collective with them)."""
 
-    def __init__(self, service: MPI.Comm, aggregator, model: PartyModel, *, max_batch: int,
-                 peer_timeout: float) -> None:
+    def __init__(self, service: MPI.Comm, aggregator, model: PartyModel, *, peer_timeout: float) -> None:
         self.service, self.aggregator, self.model = service, aggregator, model
-        self.passive = list(range(1, service.Get_size()))
-        self.max_batch, self.peer_timeout = max_batch, peer_timeout
-        self._answer = np.empty(max_batch, dtype=np.uint8)
+        self.parties = service.Get_size()
+        self.passive = list(range(1, self.parties))
+        self.peer_timeout = peer_timeout
+        self._acks = np.empty((self.parties, 1), dtype=np.int64)
 
     def score(self, ids: np.ndarray) -> BatchScores:
         """``z`` for the ids every party holds (``held``), in the batch's order."""
         message = wire.encode_request(ids)
+        acks = [self.service.Irecv([self._acks[p], MPI.BYTE], source=p, tag=wire.TAG_ACK)
+                for p in self.passive]
         sends = [self.service.Isend([message, MPI.BYTE], dest=p, tag=wire.TAG_REQUEST) for p in self.passive]
-        rows = self.model.lookup(ids)
-        held = rows >= 0
-        for party in self.passive:
-            held &= self._known(party, ids.size)
-        positions = np.flatnonzero(held)
-        decision = np.array([wire.GO if positions.size else wire.SKIP], dtype=np.int64)
-        sends += [self.service.Isend([decision, MPI.BYTE], dest=p, tag=wire.TAG_DECISION)
-                  for p in self.passive]
-        z = np.full(ids.size, np.nan)
-        if positions.size:
-            block = self.model.request_rows(rows)
-            z[positions] = self.aggregator.inner_product(self.model.w, block, positions, root=wire.LEADER)
-        MPI.Request.Waitall(sends)
-        return BatchScores(z, held)
-
-    def _known(self, party: int, n: int) -> np.ndarray:
-        """Party ``party``'s answer: which ids it holds; PartyUnavailable past the peer timeout."""
-        status = MPI.Status()
-        request = self.service.Irecv([self._answer, MPI.BYTE], source=party, tag=wire.TAG_KNOWN)
-        deadline, backoff = time.monotonic() + self.peer_timeout, Backoff(cap=1e-3)
         try:
-            while not request.Test(status):
-                if time.monotonic() > deadline:
-                    request.Cancel()
-                    request.Wait()
-                    raise PartyUnavailable(party, self.peer_timeout)
-                backoff.sleep()
-        except MPI.Exception as error:
-            if error.Get_error_class() != MPI.ERR_TRUNCATE:
-                raise
-            raise ProtocolViolation(party, "serving answer", "longer than the request") from None
-        return wire.decode_known(party, self._answer, status.Get_count(MPI.BYTE), n)
+            total = self.aggregator.sum(contribution(self.model, ids), root=wire.LEADER)
+        except PeerTimeout as err:
+            silent = [p for p, ack in zip(self.passive, acks, strict=True) if not ack.Test()]
+            raise PartyUnavailable(silent[0] if silent else err.sender, self.peer_timeout) from None
+        self._collect(acks, ids.size)
+        MPI.Request.Waitall(sends)
+        n = ids.size
+        held = np.rint(total[n:]) == self.parties
+        return BatchScores(np.where(held, total[:n], np.nan), held)
+
+    def _collect(self, acks: list, n: int) -> None:
+        """Every acknowledgement (all were sent before the sum completed), each checked."""
+        status = MPI.Status()
+        for party, ack in zip(self.passive, acks, strict=True):
+            backoff = Backoff(cap=1e-4)
+            try:
+                while not ack.Test(status):
+                    backoff.sleep()
+            except MPI.Exception as error:
+                if error.Get_error_class() != MPI.ERR_TRUNCATE:
+                    raise
+                raise ProtocolViolation(party, "serving acknowledgement", "longer than one word") from None
+            wire.check_ack(party, self._acks[party], status.Get_count(MPI.BYTE), n)
 
     def stop(self) -> None:
         """Tell every passive party the service ends (each then finalizes and exits)."""
@@ -101,18 +107,14 @@ class Federation:
 def serve_passive(service: MPI.Comm, aggregator, model: PartyModel, *, max_batch: int) -> int:
     """A passive party's loop: answer the leader's requests until ``STOP``; returns how many it took."""
     inbox = wire.RequestInbox(service, max_batch)
-    decision = np.empty(1, dtype=np.int64)
     served = 0
     while True:
         backoff = Backoff(cap=1e-3)  # idle between requests: no spinning core
         kind, ids = inbox.receive(backoff.sleep)
         if kind == wire.STOP:
             return served
-        rows = model.lookup(ids)
-        known = (rows >= 0).astype(np.uint8)
-        service.Send([known, MPI.BYTE], dest=wire.LEADER, tag=wire.TAG_KNOWN)
-        status = MPI.Status()
-        service.Recv([decision, MPI.BYTE], source=wire.LEADER, tag=wire.TAG_DECISION, status=status)
-        if wire.decode_decision(decision, status.Get_count(MPI.BYTE)):
-            aggregator.inner_product(model.w, model.request_rows(rows), None, root=wire.LEADER)
+        ack = np.array([ids.size], dtype=np.int64)
+        sent = service.Isend([ack, MPI.BYTE], dest=wire.LEADER, tag=wire.TAG_ACK)
+        aggregator.sum(contribution(model, ids), root=wire.LEADER)
+        sent.Wait()
         served += 1

@@ -1,8 +1,7 @@
 """The serving messages between the leader and a passive party: int64/uint8 buffers, never pickle.
 
-The leader sends a *request* ``[kind, n, id_1 … id_n]`` (int64 words), the passive party answers
-which of the ids it holds (``n`` bytes of 0/1), and the leader then says whether the rows known to
-every party are aggregated (``GO``) or not (``SKIP``: none is). ``STOP`` ends the service. Whatever a
+The leader sends a *request* ``[kind, n, id_1 … id_n]`` (int64 words) and the passive party
+acknowledges it with one word, ``n``, before its part of the secure sum. ``STOP`` ends the service. Whatever a
 passive party receives is checked here, at the boundary, before it indexes anything: a malformed
 message raises :class:`~protocols.errors.ProtocolViolation` naming the leader (and the leader checks
 each answer the same way, naming the passive party).
@@ -16,9 +15,9 @@ from mpi4py import MPI
 from protocols.errors import ProtocolViolation
 
 #: MPI tags on the service's own communicator (a duplicate: never mixed with the aggregation's)
-TAG_REQUEST, TAG_KNOWN, TAG_DECISION = 1, 2, 3
+TAG_REQUEST, TAG_ACK = 1, 2
 #: the first word of a leader's message
-SCORE, STOP, GO, SKIP = 1, 2, 3, 4
+SCORE, STOP = 1, 2
 LEADER = 0
 
 
@@ -71,18 +70,7 @@ def stop_message() -> np.ndarray:
     return np.array([STOP, 0], dtype=np.int64)
 
 
-def decode_known(sender: int, buffer: np.ndarray, nbytes: int, n: int) -> np.ndarray:
-    """A passive party's answer to a request of ``n`` ids: which it holds (bool), checked."""
-    if nbytes != n:
-        raise ProtocolViolation(sender, "serving answer", f"{nbytes} bytes for a request of {n} ids")
-    known = buffer[:n]
-    if np.any(known > 1):
-        raise ProtocolViolation(sender, "serving answer", "a byte other than 0 or 1")
-    return known.astype(bool)
-
-
-def decode_decision(buffer: np.ndarray, nbytes: int) -> bool:
-    """The leader's ``GO`` (aggregate now) or ``SKIP`` (no row is known to every party)."""
-    if nbytes != 8 or int(buffer[0]) not in (GO, SKIP):
-        raise ProtocolViolation(LEADER, "serving decision", f"{nbytes} bytes, not one GO or SKIP word")
-    return int(buffer[0]) == GO
+def check_ack(sender: int, word: np.ndarray, nbytes: int, n: int) -> None:
+    """A passive party's acknowledgement of a request of ``n`` ids: one word, ``n``."""
+    if nbytes != 8 or int(word[0]) != n:
+        raise ProtocolViolation(sender, "serving acknowledgement", f"{nbytes} bytes, not the one word {n}")
