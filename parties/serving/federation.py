@@ -27,6 +27,10 @@ from parties.serving.store import PartyModel
 from protocols.errors import ProtocolViolation
 from protocols.liveness import Backoff, PeerTimeout
 
+#: the longest sleep of an idle passive party between polls for the next request: a request waits at
+#: most this long to be picked up, and an idle party wakes at most 1/IDLE_POLL_S times a second
+IDLE_POLL_S = 2e-4
+
 
 class PartyUnavailable(RuntimeError):
     """A party stopped taking part within the peer timeout: the endpoint answers 503 naming it."""
@@ -109,7 +113,7 @@ def serve_passive(service: MPI.Comm, aggregator, model: PartyModel, *, max_batch
     inbox = wire.RequestInbox(service, max_batch)
     served = 0
     while True:
-        backoff = Backoff(cap=1e-3)  # idle between requests: no spinning core
+        backoff = Backoff(cap=IDLE_POLL_S)  # idle between requests: no spinning core
         kind, ids = inbox.receive(backoff.sleep)
         if kind == wire.STOP:
             return served
