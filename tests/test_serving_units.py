@@ -96,6 +96,16 @@ def test_serve_options_out_of_range_are_refused(options, says):
         check_options(*options)
 
 
+def test_a_run_trained_over_sealed_channels_is_refused_not_served_in_the_clear():
+    from types import SimpleNamespace
+
+    from parties.serving.launch import check_run
+
+    check_run(SimpleNamespace(secure_channels=False))
+    with pytest.raises(ValueError, match="--secure-channels"):
+        check_run(SimpleNamespace(secure_channels=True))
+
+
 def _fake_score(calls: list, delay: float):
     async def score(ids: np.ndarray) -> BatchScores:
         calls.append(ids.copy())
