@@ -40,6 +40,16 @@ def train_run(out: Path, q: int) -> None:
     subprocess.run(command, cwd=ROOT, env=ENV, check=True, capture_output=True)
 
 
+def ranks_cpu_seconds(run: Path, q: int) -> float:
+    """User + system CPU seconds the service's ranks have used so far (Linux /proc)."""
+    total = 0
+    for rank in range(q):
+        pid = (run / "serving" / f"party-{rank}.pid").read_text().strip()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def start_service(run: Path, window_ms: float, max_batch: int) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "vfl.cli", "serve", str(run), "--port", "0", "--window-ms",
                              str(window_ms), "--max-batch", str(max_batch)], cwd=ROOT, env=ENV,
@@ -84,23 +94,27 @@ async def health(session, url: str) -> dict:
         return await response.json()
 
 
-async def measure(url: str, ids: list[int], args) -> list[dict]:
+async def measure(url: str, ids: list[int], args, cpu) -> list[dict]:
     import aiohttp
 
     rows = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.clients)) as session:
         await sequential(session, url, ids, 50)  # warm-up
         before, load = await health(session, url), os.getloadavg()[0]
+        before["cpu"] = cpu()
         times = np.array(await sequential(session, url, ids, args.requests)) * 1e3
         after = await health(session, url)
+        after["cpu"] = cpu()
         rows.append(_row("one-row requests, one client", 1, 1, len(times), times.sum() / 1e3, before, after,
                          load, p50=np.percentile(times, 50), p99=np.percentile(times, 99)))
         for per_request in args.rows_per_request:
             before, load = await health(session, url), os.getloadavg()[0]
+            before["cpu"] = cpu()
             started = time.perf_counter()
             scored = await concurrent(session, url, ids, args.clients, per_request, args.seconds)
             wall = time.perf_counter() - started
             after = await health(session, url)
+            after["cpu"] = cpu()
             rows.append(_row(f"{args.clients} concurrent clients", args.clients, per_request, scored, wall,
                              before, after, load))
     return rows
@@ -113,15 +127,16 @@ def _row(what: str, clients: int, per_request: int, scored: int, wall: float, be
     federation = after["aggregation_seconds"] - before["aggregation_seconds"]
     return {"what": what, "clients": clients, "rows_per_request": per_request, "requests": requests,
             "rows": scored, "seconds": round(wall, 3), "rows_per_s": round(scored / wall, 1),
-            "p50_ms": round(p50, 3), "p99_ms": round(p99, 3), "batches": batches,
+            "p50_ms": round(float(p50), 3), "p99_ms": round(float(p99), 3), "batches": batches,
             "rows_per_batch": round(requests * per_request / batches, 2),
             "federation_ms_per_batch": round(1e3 * federation / batches, 3),
+            "server_cpu_ms_per_request": round(1e3 * (after["cpu"] - before["cpu"]) / max(requests, 1), 3),
             "load_before": round(load, 2), "load_after": round(os.getloadavg()[0], 2), "cpu": cpu_model()}
 
 
 FIELDS = ["what", "clients", "rows_per_request", "requests", "rows", "seconds", "rows_per_s", "p50_ms",
-          "p99_ms", "batches",
-          "rows_per_batch", "federation_ms_per_batch", "load_before", "load_after", "cpu"]
+          "p99_ms", "batches", "rows_per_batch", "federation_ms_per_batch", "server_cpu_ms_per_request",
+          "load_before", "load_after", "cpu"]
 
 
 def write_outputs(rows: list[dict], out: Path, note: str) -> None:
@@ -132,14 +147,19 @@ def write_outputs(rows: list[dict], out: Path, note: str) -> None:
         writer.writerows(rows)
     (out / "results.json").write_text(json.dumps({"rows": rows, "note": note}, indent=1) + "\n")
     lines = ["| measure | rows/request | p50 ms | p99 ms | rows/s | rows/batch | federation ms/batch "
-             "| load |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['what']} | {r['rows_per_request']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+             "| server CPU ms/request | load |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['what']} | {r['rows_per_request']} | {_ms(r['p50_ms'])} | {_ms(r['p99_ms'])} | "
               f"{r['rows_per_s']:,.0f} | {r['rows_per_batch']:.1f} | {r['federation_ms_per_batch']:.2f} | "
-              f"{r['load_before']:.2f} / {r['load_after']:.2f} |" for r in rows]
+              f"{r['server_cpu_ms_per_request']:.2f} | {r['load_before']:.2f} / {r['load_after']:.2f} |"
+              for r in rows]
     lines += ["", f"CPU: {rows[0]['cpu']}; {note}; written {time.strftime('%Y-%m-%d %H:%M')}."]
     (out / "table.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out)
+
+
+def _ms(value: float) -> str:
+    return "–" if value != value else f"{value:.2f}"  # NaN: not measured in that row
 
 
 def _plot(rows: list[dict], out: Path) -> None:
@@ -188,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         ids = _ids()
         proc, url = start_service(run, args.window_ms, args.max_batch)
         try:
-            rows = asyncio.run(measure(url, ids, args))
+            rows = asyncio.run(measure(url, ids, args, lambda: ranks_cpu_seconds(run, args.parties)))
         finally:
             proc.terminate()
             proc.wait(30)

@@ -1,7 +1,8 @@
 """The leader's event loop: the HTTP endpoint, the batcher, and one thread that does all its MPI.
 
 aiohttp runs in the main thread's asyncio loop; each batch is scored in a single worker thread (MPI
-calls of the leader never come from two threads at once). SIGINT/SIGTERM stop the endpoint: requests
+calls of the leader come from that thread, but for the test of the acknowledgements when a round runs
+past ``--peer-timeout``, under a lock). SIGINT/SIGTERM stop the endpoint: requests
 in flight are answered, then the passive parties are told to stop. A party found unavailable ends the
 service with a stop line naming it, after its 503 answers have gone out.
 """
@@ -16,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from parties.serving.batching import MicroBatcher
-from parties.serving.federation import Federation
+from parties.serving.federation import Federation, PartyUnavailable
 from parties.serving.front import build_app
 
 #: seconds for the 503 answers to leave before a failed service ends the job
@@ -39,8 +40,16 @@ async def serve_http(comm, federation: Federation, args: argparse.Namespace) -> 
             end_job(comm, f"[party 0] {err}", EXIT_CODES["failed"])
             raise
 
-    batcher = MicroBatcher(lambda ids: loop.run_in_executor(pool, score, ids),
-                           window=args.window_ms / 1000, max_rows=args.max_batch)
+    async def score_within_deadline(ids):
+        """A round that runs past ``--peer-timeout`` names the party that did not acknowledge it."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(loop.run_in_executor(pool, score, ids)),
+                                          args.peer_timeout)
+        except TimeoutError:
+            silent = federation.unacknowledged()
+            raise PartyUnavailable(silent[0] if silent else None, args.peer_timeout) from None
+
+    batcher = MicroBatcher(score_within_deadline, window=args.window_ms / 1000, max_rows=args.max_batch)
     stop, failures = asyncio.Event(), []
 
     def on_failure(line: str) -> None:

@@ -24,12 +24,11 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     from mpi4py import MPI
 
-    from parties.lifecycle import end_job, exit_now, report_verdicts_to, stop_job, write_verdict
+    from parties.lifecycle import end_job, exit_now, report_verdicts_to, write_verdict
     from parties.orphans import die_with_parent
     from parties.outcomes import EXIT_CODES
     from parties.threads import configure_rank
     from protocols.errors import ProtocolViolation
-    from protocols.liveness import PeerTimeout
     from protocols.masking import PrecisionWarning
 
     warnings.filterwarnings("ignore", category=PrecisionWarning)  # as in training (parties/rank.py)
@@ -53,23 +52,18 @@ def main(argv: list[str] | None = None) -> None:
         _run(comm, rank, model, service, aggregator, args)
     except ProtocolViolation as err:
         end_job(comm, f"[party {rank}] {err}", EXIT_CODES["failed"])
-    except PeerTimeout as err:
-        stop_job(comm, rank, "failed", str(err))
     aggregator.close()
     service.Free()
     exit_now()
 
 
 def _join(comm, rank: int, args: argparse.Namespace):
-    """This party's model, the service communicator and the aggregator (collective).
-
-    Waits have the start-up limit until every party is up, then ``--peer-timeout`` at the leader and a
-    longer one at the others (:func:`passive_patience`), so that the leader, which hears each party's
-    acknowledgement directly, is the one that names a silent party, in its 503 answer."""
+    """This party's model, the service communicator and the aggregator (collective). The sums have no
+    deadlines of their own: the leader gives each round ``--peer-timeout`` seconds and names a silent
+    party from its acknowledgements (:mod:`parties.serving.federation`)."""
     from parties.checkpoint import complete_epochs
     from parties.resume import load_run
     from parties.serving.store import load_model
-    from protocols.liveness import STARTUP_TIMEOUT_S, Liveness
     from protocols.secure_aggregation import SecureAggregator
 
     config = load_run(Path(args.run))
@@ -79,22 +73,9 @@ def _join(comm, rank: int, args: argparse.Namespace):
     comm.Bcast(epochs, root=0)
     model = load_model(config, rank, float(epochs[0]))
     service = comm.Dup()
-    liveness = Liveness(rank, comm.Get_size(), STARTUP_TIMEOUT_S)
     aggregator = SecureAggregator.over_mpi(comm, seed=config.seed, allow_leaky_q2=config.allow_two_parties,
-                                           max_batch=2 * args.max_batch, liveness=liveness)
-    comm.Barrier()
-    size = comm.Get_size()
-    liveness.timeout = args.peer_timeout if rank == 0 else passive_patience(args.peer_timeout, size)
+                                           max_batch=2 * args.max_batch)
     return model, service, aggregator
-
-
-def passive_patience(peer_timeout: float, parties: int) -> float:
-    """A passive party's limit: past the leader's deepest wait (``parties`` levels of stagger) and its
-    503 answers' grace, so that the leader fires first."""
-    from parties.serving.leader import FAILURE_GRACE_S
-    from protocols.liveness import STAGGER_S
-
-    return peer_timeout + parties * STAGGER_S + 2 * FAILURE_GRACE_S + 1.0
 
 
 def _run(comm, rank: int, model, service, aggregator, args: argparse.Namespace) -> None:
