@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from parties.serving.front import UNKNOWN_ID
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, run_mpi
 
 pytestmark = pytest.mark.mpi
 
@@ -197,3 +197,20 @@ def test_a_killed_party_ends_the_service_naming_it(trained):
     assert "party 1 died first" in "".join(served.lines)
     time.sleep(0.5)
     assert not [pid for pid in pids if alive(pid)]
+
+
+def test_an_id_some_party_lacks_is_answered_unknown_and_the_others_exactly():
+    """Over real MPI and the secure sum: party 2 lacks id 30, party 1 alone holds 50."""
+    proc = run_mpi(3, ["tests/mpi_scripts/serve_federation.py", "partial"], timeout=60)
+    answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert answer["held"] == [True, False, False, True, False]
+    for z, plain, held in zip(answer["z"], answer["plain"], answer["held"], strict=True):
+        assert (z is None) == (not held)
+        if held:
+            assert z == pytest.approx(plain, abs=1e-8)
+
+
+def test_a_passive_party_refuses_a_malformed_request_naming_the_leader():
+    proc = run_mpi(3, ["tests/mpi_scripts/serve_federation.py", "hostile"], timeout=60)
+    for rank in (1, 2):
+        assert f"[party {rank}] party 0 sent an invalid serving request: announces 5 ids" in proc.stdout
