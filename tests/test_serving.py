@@ -38,9 +38,12 @@ def vfl(*args: str, timeout: float = 120) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, dict[int, float]]:
-    """A q = 3 run and ``vfl predict``'s test scores, by id."""
-    out = tmp_path_factory.mktemp("serve") / "run"
+    """A q = 3 run and ``vfl predict``'s test scores, by id. Each party keeps its block in a folder of
+    its own (``--party-dir``), as organisations do: the service reads each block only at its party."""
+    base = tmp_path_factory.mktemp("serve")
+    out = base / "run"
     vfl("train", "--out", str(out), "--no-progress", "-n", "3", "-m", "1", "--algorithm", "svrg",
+        "--party-dir", str(base / "org{rank}" / "model"),
         "--epochs", "2", "--dataset", "breast-cancer", "--problem", "logistic", "--lam", "0.1",
         "--gamma", "0.02", timeout=240)
     vfl("predict", str(out))
