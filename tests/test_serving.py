@@ -217,3 +217,13 @@ def test_a_passive_party_refuses_a_malformed_request_naming_the_leader():
     proc = run_mpi(3, ["tests/mpi_scripts/serve_federation.py", "hostile"], timeout=60)
     for rank in (1, 2):
         assert f"[party {rank}] party 0 sent an invalid serving request: announces 5 ids" in proc.stdout
+
+
+def test_sigint_stops_the_service_cleanly_too(trained):
+    served = Service(trained[0])
+    pids = served.pids()
+    assert served.post({"ids": [next(iter(trained[1]))]})[0] == 200
+    served.proc.send_signal(signal.SIGINT)
+    assert served.end() == 0
+    time.sleep(0.5)
+    assert not [pid for pid in pids if alive(pid)]

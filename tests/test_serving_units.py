@@ -106,6 +106,18 @@ def test_a_run_trained_over_sealed_channels_is_refused_not_served_in_the_clear()
         check_run(SimpleNamespace(secure_channels=True))
 
 
+def test_an_address_in_use_is_refused_in_one_line_before_any_rank_starts():
+    import socket
+
+    from parties.serving.launch import check_address
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}: "):
+            check_address("127.0.0.1", port)
+    check_address("127.0.0.1", 0)
+
+
 def _fake_score(calls: list, delay: float):
     async def score(ids: np.ndarray) -> BatchScores:
         calls.append(ids.copy())

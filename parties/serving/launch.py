@@ -29,6 +29,18 @@ def check_options(port: int, window_ms: float, max_batch: int, peer_timeout: flo
         raise ValueError(f"--peer-timeout must be positive, got {peer_timeout:g}")
 
 
+def check_address(host: str, port: int) -> None:
+    """One line, before any rank starts, for an address this host cannot listen on (taken, or not its
+    own); the leader checks again when it binds."""
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as err:
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+
+
 def check_run(config) -> None:
     """One line for a run this phase cannot serve as it was trained."""
     if config.secure_channels:
@@ -44,6 +56,7 @@ def serve(run_dir: str | Path, *, port: int, host: str = "127.0.0.1", window_ms:
     from parties.resume import load_run
 
     check_options(port, window_ms, max_batch, peer_timeout)
+    check_address(host, port)
     run = Path(run_dir)
     if not (run / "config.json").exists():
         raise FileNotFoundError(f"{run / 'config.json'} not found: pass the --out folder of a `vfl train` "
@@ -95,7 +108,8 @@ def _ended(code: int, output: str, state: Path, parties: int, watch) -> int:
     stopped = find_stop(verdict or output)
     if stopped:
         print(f"vfl serve: {stopped[1]}", file=sys.stderr)
-    elif verdict:
+        return EXIT_CODES[stopped[0]]
+    if verdict:
         print(f"vfl serve: the service ended: {verdict}", file=sys.stderr)
     else:
         first = watch.first(output)

@@ -62,7 +62,10 @@ async def serve_http(comm, federation: Federation, args: argparse.Namespace) -> 
                     on_failure=on_failure, window_ms=args.window_ms)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+    except OSError as err:  # taken since the launcher's check, or an address not of this host
+        stop_job(comm, 0, "usage", f"cannot listen on {args.host}:{args.port}: {err.strerror or err}")
     host, port = runner.addresses[0][:2]
     print(f"vfl serve: listening on http://{host}:{port} ({comm.Get_size()} parties, window "
           f"{args.window_ms:g} ms, batches of up to {args.max_batch} rows)", flush=True)
