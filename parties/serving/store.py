@@ -29,6 +29,8 @@ class PartyModel:
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """The row of each id, −1 where this party does not hold it."""
+        if self.sorted_ids.size == 0:
+            return np.full(ids.shape, -1, dtype=np.int64)
         at = np.searchsorted(self.sorted_ids, ids)
         at = np.minimum(at, self.sorted_ids.size - 1)
         found = self.sorted_ids[at] == ids
