@@ -72,6 +72,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
             "split networks by simulated VFB² vs the centralised network (FMNIST, D1, a9a); label attacks"),
     "control_plane": ("experiments.bench_control_plane",
                       "barrier-time exchanges: polled point to point (deadlines) vs blocking collectives"),
+    "serve_latency": ("experiments.bench_serve_latency",
+                      "vfl serve, q = 4: p50/p99 of one-row requests, rows/s with 64 concurrent clients"),
     "feddro_toy": ("experiments.feddro_toy", "FedDRO vs FedAvg-CO on closed-form problems (Thm 4.1, Fig. 6)"),
 }
 

@@ -1,5 +1,5 @@
 """The ``vfl`` command: ``datasets``, ``synth``, ``split``, ``align``, ``reference``, ``train``, ``party``,
-``predict``, ``plot``, ``keygen``, ``hfl-train``, ``hfl-split``.
+``predict``, ``serve``, ``plot``, ``keygen``, ``hfl-train``, ``hfl-split``.
 
 Each subcommand validates its options here, at the edge, and turns library errors into one readable
 line and exit code 2 (never a traceback for a user mistake). ``train`` imports ``parties`` lazily, so
@@ -206,6 +206,13 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return predict(args.run, split=args.split, output=args.output)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from parties.serving.launch import serve
+
+    return serve(args.run, port=args.port, host=args.host, window_ms=args.window_ms, max_batch=args.max_batch,
+                 peer_timeout=args.peer_timeout)
+
+
 def _cmd_align(args: argparse.Namespace) -> int:
     from parties.align import launch_alignment
 
@@ -325,6 +332,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test", help="train or test rows of the parties' data")
     p.add_argument("--output", default=None, help="CSV file (default: <run>/predictions-<split>.csv)")
     p.set_defaults(func=_cmd_predict)
+
+    p = sub.add_parser("serve", help="keep a trained run's parties up and score ids over HTTP "
+                                     "(docs/serving.md)")
+    p.add_argument("run", help="the --out folder of a `vfl train` run")
+    p.add_argument("--port", type=int, required=True, help="the leader's HTTP port (0: any free port)")
+    p.add_argument("--host", default="127.0.0.1", help="the address the leader listens on")
+    p.add_argument("--window-ms", type=float, default=1.0,
+                   help="concurrent requests within this many ms of the first share one aggregation")
+    p.add_argument("--max-batch", type=int, default=1024, help="most rows of one aggregation (and request)")
+    p.add_argument("--peer-timeout", type=float, default=10.0,
+                   help="seconds the leader waits for a party's answer before it answers 503 and ends")
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("align", help="private set intersection of the parties' id columns (starts mpiexec)")
     p.add_argument("-n", "--parties", type=int, required=True, help="q, number of parties")

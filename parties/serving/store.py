@@ -1,0 +1,61 @@
+"""What a serving party holds: its trained block ``w_l`` and its own feature rows, keyed by id.
+
+The rows are the party's file, train and test rows together (``vfl split``/``vfl align``'s ids, the
+run's id column), scaled as training scaled them (:func:`parties.loading.load_party`); the block is
+the run's newest complete epoch, read from the party's own folder as ``vfl predict`` reads it. Nothing
+here leaves the party: the leader only ever receives masked sums of ``w_l·x``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+
+from parties.plan import JobPlan
+
+
+@dataclass
+class PartyModel:
+    """One party's block and rows; ``task`` only at the leader (the active party knows the problem)."""
+
+    rank: int
+    w: np.ndarray
+    rows: sp.csr_matrix
+    sorted_ids: np.ndarray  # the party's ids, sorted, for a vectorised lookup
+    row_of_sorted: np.ndarray  # the row of each sorted id
+    task: str | None
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """The row of each id, −1 where this party does not hold it."""
+        if self.sorted_ids.size == 0:
+            return np.full(ids.shape, -1, dtype=np.int64)
+        at = np.searchsorted(self.sorted_ids, ids)
+        at = np.minimum(at, self.sorted_ids.size - 1)
+        found = self.sorted_ids[at] == ids
+        return np.where(found, self.row_of_sorted[at], -1)
+
+    def request_rows(self, rows: np.ndarray) -> sp.csr_matrix:
+        """The rows of one request, in its order (a row 0 stands in for an unknown id: such a position
+        is never aggregated)."""
+        return self.rows[np.maximum(rows, 0)]
+
+
+def load_model(config: JobPlan, rank: int, epochs: float) -> PartyModel:
+    """This party's :class:`PartyModel` for the complete epoch ``epochs`` (the leader's)."""
+    from parties.checkpoint import load_checkpoint
+    from parties.loading import load_party
+
+    party = load_party(config, rank)
+    blocks = [party.block.to_csr()]
+    ids = [np.asarray(party.train_ids, dtype=np.int64)]
+    if party.test_block is not None:
+        blocks.append(party.test_block.to_csr())
+        ids.append(np.asarray(party.test_ids, dtype=np.int64))
+    rows = sp.csr_matrix(sp.vstack(blocks, format="csr"))
+    all_ids = np.concatenate(ids)
+    order = np.argsort(all_ids, kind="stable")
+    w = load_checkpoint(config.party_folder(rank), rank, party.block.n_cols, epochs).w
+    task = party.problem.task if party.problem is not None else None
+    return PartyModel(rank, np.asarray(w, dtype=np.float64), rows, all_ids[order], order, task)

@@ -1,0 +1,173 @@
+"""``vfl serve``'s pieces without MPI: request parsing, the wire checks, the micro-batcher."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from parties.serving import wire
+from parties.serving.batching import MicroBatcher
+from parties.serving.federation import BatchScores, contribution
+from parties.serving.front import UNKNOWN_ID, BadRequest, answer, parse_request
+from parties.serving.launch import check_options
+from parties.serving.store import PartyModel
+from protocols.errors import ProtocolViolation
+
+
+@pytest.mark.parametrize("body, says", [
+    (b"not json", "not JSON"),
+    (b"[1, 2]", "JSON object"),
+    (b'{"ids": [1], "extra": 1}', "JSON object"),
+    (b'{"ids": []}', "list of 1 to 8"),
+    (b'{"ids": [1, 2, 3, 4, 5, 6, 7, 8, 9]}', "list of 1 to 8"),
+    (b'{"ids": [1.5]}', "integer"),
+    (b'{"ids": [true]}', "integer"),
+    (b'{"ids": ["7"]}', "integer"),
+    (b'{"ids": [99999999999999999999]}', "integer"),
+    (b'{"ids": [1], "output": "logit"}', "not available"),
+    (b'{"ids": [1], "output": []}', "must be one of"),
+])
+def test_a_malformed_request_is_refused_with_one_line(body, says):
+    with pytest.raises(BadRequest, match=says) as caught:
+        parse_request(body, max_ids=8, task="binary")
+    assert "\n" not in str(caught.value)
+
+
+def test_outputs_default_to_what_the_task_has():
+    ids, outputs = parse_request(b'{"ids": [3, 1]}', max_ids=8, task="binary")
+    assert ids.tolist() == [3, 1] and outputs == ("score", "probability", "class")
+    assert parse_request(b'{"ids": [3]}', max_ids=8, task="regression")[1] == ("score",)
+    with pytest.raises(BadRequest, match="regression"):
+        parse_request(b'{"ids": [3], "output": "class"}', max_ids=8, task="regression")
+
+
+def test_an_id_not_held_by_every_party_gets_an_error_not_a_score():
+    scores = BatchScores(np.array([0.5, np.nan]), np.array([True, False]))
+    entries = answer(np.array([4, 5]), scores, ("score", "class"))
+    assert entries == [{"id": 4, "score": 0.5, "class": 1}, {"id": 5, "error": UNKNOWN_ID}]
+
+
+def test_a_party_looks_up_only_the_ids_it_holds():
+    rows = sp.csr_matrix(np.arange(6.0).reshape(3, 2))
+    ids = np.array([30, 10, 20])
+    order = np.argsort(ids)
+    model = PartyModel(1, np.ones(2), rows, ids[order], order, None)
+    found = model.lookup(np.array([10, 11, 30, 99, -5]))
+    assert found.tolist() == [1, -1, 0, -1, -1]
+    assert model.request_rows(found).toarray()[0].tolist() == [2.0, 3.0]
+
+
+def test_the_request_a_passive_party_receives_is_checked_whole():
+    message = wire.encode_request(np.array([7, 8, 9]))
+    kind, ids = wire.decode_request(message, message.nbytes, max_batch=4)
+    assert kind == wire.SCORE and ids.tolist() == [7, 8, 9]
+    stop = wire.stop_message()
+    assert wire.decode_request(stop, stop.nbytes, max_batch=4)[0] == wire.STOP
+    for bad, nbytes in ((message, message.nbytes - 8), (message, 12), (message, 8),
+                        (np.array([wire.SCORE, 5, 1, 2, 3, 4, 5]), 56),
+                        (np.array([wire.SCORE, 0]), 16), (np.array([9, 1, 1]), 24)):
+        with pytest.raises(ProtocolViolation, match="party 0 sent an invalid serving request"):
+            wire.decode_request(bad, nbytes, max_batch=4)
+
+
+def test_an_acknowledgement_of_a_passive_party_is_checked():
+    wire.check_ack(2, np.array([3]), 8, 3)
+    with pytest.raises(ProtocolViolation, match="party 2 sent an invalid serving acknowledgement"):
+        wire.check_ack(2, np.array([4]), 8, 3)
+    with pytest.raises(ProtocolViolation, match="party 1 sent"):
+        wire.check_ack(1, np.array([3]), 4, 3)
+
+
+def test_a_party_contributes_nothing_for_an_id_it_does_not_hold_and_says_so_in_the_count():
+    rows = sp.csr_matrix(np.array([[1.0, 2.0], [3.0, 4.0]]))
+    model = PartyModel(1, np.array([1.0, 10.0]), rows, np.array([10, 20]), np.array([0, 1]), None)
+    values = contribution(model, np.array([20, 99, 10]))
+    assert values.tolist() == [43.0, 0.0, 21.0, 1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("options, says", [((-1, 1, 8, 1), "--port"), ((80, -1, 8, 1), "--window-ms"),
+                                           ((80, 1, 0, 1), "--max-batch"), ((80, 1, 8, 0), "--peer-timeout")])
+def test_serve_options_out_of_range_are_refused(options, says):
+    with pytest.raises(ValueError, match=says):
+        check_options(*options)
+
+
+def test_a_run_trained_over_sealed_channels_is_refused_not_served_in_the_clear():
+    from types import SimpleNamespace
+
+    from parties.serving.launch import check_run
+
+    check_run(SimpleNamespace(secure_channels=False))
+    with pytest.raises(ValueError, match="--secure-channels"):
+        check_run(SimpleNamespace(secure_channels=True))
+
+
+def test_an_address_in_use_is_refused_in_one_line_before_any_rank_starts():
+    import socket
+
+    from parties.serving.launch import check_address
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}: "):
+            check_address("127.0.0.1", port)
+    check_address("127.0.0.1", 0)
+
+
+def _fake_score(calls: list, delay: float):
+    async def score(ids: np.ndarray) -> BatchScores:
+        calls.append(ids.copy())
+        await asyncio.sleep(delay)
+        return BatchScores(ids * 2.0, ids % 7 != 0)
+
+    return score
+
+
+def test_concurrent_requests_share_a_batch_and_each_gets_its_own_rows():
+    async def scenario():
+        calls: list = []
+        batcher = MicroBatcher(_fake_score(calls, 0.01), window=0.05, max_rows=64)
+        runner = asyncio.create_task(batcher.run())
+        requests = [np.arange(k, k + 1 + k % 3) for k in range(40)]
+        results = await asyncio.gather(*(batcher.submit(ids) for ids in requests))
+        runner.cancel()
+        return calls, requests, results
+
+    calls, requests, results = asyncio.run(scenario())
+    for ids, got in zip(requests, results, strict=True):
+        np.testing.assert_array_equal(got.z, ids * 2.0)
+        np.testing.assert_array_equal(got.held, ids % 7 != 0)
+    assert len(calls) < len(requests) / 4  # gathered, not one aggregation each
+    assert max(c.size for c in calls) <= 64
+
+
+def test_a_lone_request_does_not_wait_for_the_window():
+    async def scenario():
+        batcher = MicroBatcher(_fake_score([], 0.0), window=1.0, max_rows=64)
+        runner = asyncio.create_task(batcher.run())
+        start = time.perf_counter()
+        await batcher.submit(np.array([3]))
+        elapsed = time.perf_counter() - start
+        runner.cancel()
+        return elapsed
+
+    assert asyncio.run(scenario()) < 0.5
+
+
+def test_a_failed_batch_fails_each_of_its_requests():
+    async def failing(ids):
+        raise RuntimeError("party 2 did not answer")
+
+    async def scenario():
+        batcher = MicroBatcher(failing, window=0.01, max_rows=8)
+        runner = asyncio.create_task(batcher.run())
+        outcome = await asyncio.gather(batcher.submit(np.array([1])), batcher.submit(np.array([2])),
+                                       return_exceptions=True)
+        runner.cancel()
+        return outcome
+
+    assert all(isinstance(r, RuntimeError) for r in asyncio.run(scenario()))
