@@ -19,6 +19,9 @@
     role = "passive"
     public_key = "a9e0…"
 
+A horizontal job (``kind = "hfl"`` in ``[job]``: a ``python -m parties.hfl`` server and its client
+processes) is read by :mod:`parties.federation.hfl_job`, with roles ``server`` and ``client``.
+
 The ``[job]`` keys are the option table of :mod:`parties.config` (``vfl train``'s long flags without the
 dashes; ``_`` may stand for ``-``), checked by the same :func:`parties.config.validate`. What each party
 decides for itself (its data, its folder, resuming, its progress bar, its audit) is not in the file
@@ -104,11 +107,12 @@ class Party:
 class Job:
     """A checked job file: the training options (with q and m from the parties) and the parties in rank
     order. ``options`` has no per-party value (data, folder): :meth:`parties.federation.member` adds
-    this party's own."""
+    this party's own. A horizontal job (``kind`` "hfl") holds a :class:`parties.hfl.HflConfig`."""
 
-    options: RunConfig
+    options: Any   # RunConfig; HflConfig when kind is "hfl"
     parties: tuple[Party, ...]
     where: str = "job file"
+    kind: str = "vfl"
 
     @property
     def leader(self) -> Party:
@@ -127,8 +131,13 @@ class Job:
     def canonical(self) -> dict[str, Any]:
         """What every party must agree on, as plain JSON values: every job option (defaults filled in,
         numbers as the option's type) and every party's table."""
-        return {"format": JOB_FORMAT,
-                "job": {job_key(name): getattr(self.options, name) for name in JOB_OPTIONS},
+        if self.kind == "hfl":
+            from parties.federation.hfl_job import canonical_options
+
+            options = canonical_options(self.options)
+        else:
+            options = {job_key(name): getattr(self.options, name) for name in JOB_OPTIONS}
+        return {"format": JOB_FORMAT, "job": options,
                 "parties": [{"name": p.name, "role": p.role, "address": p.address,
                              "public_key": p.public_key.hex()} for p in self.parties]}
 
@@ -175,7 +184,15 @@ def parse_job(text: str, where: str = "job file") -> Job:
         raise ConfigError(f"{where}: no [[party]] table: list every party, the leader first")
     if len(tables) > MAX_PARTIES:
         raise ConfigError(f"{where}: {len(tables)} parties; at most {MAX_PARTIES}")
-    parties = tuple(_party(table, i, where) for i, table in enumerate(tables))
+    kind = section.get("kind", "vfl")
+    if kind == "hfl":
+        from parties.federation.hfl_job import parse_hfl
+
+        return parse_hfl(section, tables, where)
+    if kind != "vfl":
+        raise ConfigError(f"{where}: [job] kind must be \"vfl\" (the default) or \"hfl\" (got {kind!r})")
+    section = {k: v for k, v in section.items() if k != "kind"}
+    parties = tuple(read_party(table, i, where) for i, table in enumerate(tables))
     _check_parties(parties, where)
     given = _job_options(section, where)
     active = sum(p.active for p in parties)
@@ -238,7 +255,7 @@ def _typed(value: Any, hint: Any, field: dataclasses.Field, what: str) -> Any:
     raise ConfigError(f"{what} must be a string, got {value!r}")
 
 
-def _party(table: Any, index: int, where: str) -> Party:
+def read_party(table: Any, index: int, where: str, roles: tuple[str, ...] = ROLES) -> Party:
     what = f"{where}: [[party]] {index + 1}"
     if not isinstance(table, dict):
         raise ConfigError(f"{what} is not a table")
@@ -251,8 +268,9 @@ def _party(table: Any, index: int, where: str) -> Party:
         raise ConfigError(f"{what}: name must be 1-64 letters, digits, '.', '_' or '-' (got {name!r})")
     what = f"{what} ({name})"
     role = keys.get("role")
-    if role not in ROLES:
-        raise ConfigError(f"{what}: role must be \"active\" or \"passive\" (got {role!r})")
+    if role not in roles:
+        spelled = " or ".join(f'"{r}"' for r in roles)
+        raise ConfigError(f"{what}: role must be {spelled} (got {role!r})")
     address = keys.get("address")
     if address is not None:
         split_address(address, what)
@@ -273,6 +291,24 @@ def split_address(address: Any, what: str = "address") -> tuple[str, int]:
 
 
 def _check_parties(parties: tuple[Party, ...], where: str) -> None:
+    check_distinct(parties, where)
+    for before, after in itertools.pairwise(parties):
+        if after.active and not before.active:
+            raise ConfigError(f"{where}: active party {after.name} follows passive party {before.name}: the "
+                              "active parties come first (they are ranks 0..m-1)")
+    if not parties[0].active:
+        raise ConfigError(f"{where}: the first party ({parties[0].name}) leads the job and must be active")
+    check_leader_address(parties, where)
+
+
+def check_leader_address(parties: tuple[Party, ...], where: str) -> None:
+    if parties[0].address is None:
+        raise ConfigError(f"{where}: the first party ({parties[0].name}) leads the job: it needs an address "
+                          "(host:port where its hello listens)")
+
+
+def check_distinct(parties: tuple[Party, ...], where: str) -> None:
+    """No two parties share a name or a pinned key."""
     seen: dict[str, int] = {}
     keys: dict[bytes, str] = {}
     for party in parties:
@@ -282,15 +318,6 @@ def _check_parties(parties: tuple[Party, ...], where: str) -> None:
         if party.public_key in keys:
             raise ConfigError(f"{where}: {keys[party.public_key]} and {party.name} pin the same public key")
         keys[party.public_key] = party.name
-    for before, after in itertools.pairwise(parties):
-        if after.active and not before.active:
-            raise ConfigError(f"{where}: active party {after.name} follows passive party {before.name}: the "
-                              "active parties come first (they are ranks 0..m-1)")
-    if not parties[0].active:
-        raise ConfigError(f"{where}: the first party ({parties[0].name}) leads the job and must be active")
-    if parties[0].address is None:
-        raise ConfigError(f"{where}: the first party ({parties[0].name}) leads the job: it needs an address "
-                          "(host:port where its hello listens)")
 
 
 # ---------------------------------------------------------------------------- comparing two jobs
