@@ -130,9 +130,10 @@ def _options(section: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[
         if spelled in by_key:
             fields[by_key[spelled]] = _typed(value, by_key[spelled], what)
         elif spelled in algorithm_options:
-            if isinstance(value, dict | list | bool):
-                raise ConfigError(f"{what} must be a number or a string, got {value!r}")
-            options[algorithm_options[spelled]] = str(value)
+            if isinstance(value, dict | list):
+                raise ConfigError(f"{what} must be a number, a string or true/false, got {value!r}")
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            options[algorithm_options[spelled]] = text
         else:
             close = difflib.get_close_matches(spelled, [*by_key, *algorithm_options], n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
