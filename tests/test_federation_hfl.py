@@ -142,6 +142,23 @@ def test_a_client_whose_file_does_not_fit_the_job_is_refused_in_one_line(hfl_spl
     assert error_line(result).startswith(f"vfl party {NAMES[1]}: error: client file {orgs[1].data}")
 
 
+@pytest.mark.mpi
+def test_a_client_that_claims_another_clients_rows_ends_the_run_for_everyone_named(hfl_split, tmp_path):
+    """After the join: the server refuses a client process that hosts a client another one hosts (its
+    line names the rank, which the start line maps to the party), and the run line ends the others."""
+    orgs = make_hfl_orgs(tmp_path, hfl_split, f"127.0.0.1:{free_port()}")
+    shutil.copy(hfl_split / "clients-0.npz", orgs[2].data)   # clinic-b brings clinic-a's clients
+    commands = [org.command("--join-timeout", "60") for org in orgs]
+    server, clinic_a, clinic_b = run_parties(commands, timeout=120)
+    assert server.returncode == 1 and clinic_a.returncode == 1 and clinic_b.returncode == 1
+    assert error_line(server) == (f"vfl party {NAMES[0]}: error: rank 2 (client process 1) hosts client 0, "
+                                  "which rank 1 (client process 0) hosts too")
+    assert f"ranks 0 {NAMES[0]}, 1 {NAMES[1]}, 2 {NAMES[2]}" in server.stdout
+    for client in (clinic_a, clinic_b):
+        assert f"the leader {NAMES[0]} left the run" in client.stderr, client.stderr
+    assert not (orgs[0].run / "model.npz").exists()
+
+
 # --------------------------------------------------------------------------------- the job file
 
 

@@ -76,7 +76,8 @@ def run_hfl(args: argparse.Namespace, job: Job, rank: int, private: bytes, say: 
     shard, test = load_own_data(config, rank, Path(args.data))
     role = "the server" if rank == 0 else f"client process {rank - 1}"
     hosted = "" if shard is None else f", hosting clients {shard.client_ids.tolist()}"
-    say(f"{role} of a horizontal job ({config.algorithm}, {len(job.parties) - 1} client processes){hosted}")
+    legend = ", ".join(f"{r} {p.name}" for r, p in enumerate(job.parties))
+    say(f"{role} (rank {rank}) of a horizontal job ({config.algorithm}; ranks {legend}){hosted}")
     ended = "the horizontal run keeps no checkpoints: start it again"
     joined, line = join_and_hold(job, rank, private, args, say, ended)
     write_record(folder, job, rank, joined.job_id)

@@ -178,7 +178,14 @@ def _gather_hosts(comm: Any, client_ids: torch.Tensor | None, n_clients: int) ->
 
 
 def _check_hosts(hosts: list[list[int] | None], n_clients: int) -> None:
-    ids = sorted(i for h in hosts[1:] for i in (h or []))
+    owner: dict[int, int] = {}
+    for rank, hosted in enumerate(hosts[1:], start=1):
+        for i in hosted or []:
+            if i in owner:
+                raise ConfigError(f"rank {rank} (client process {rank - 1}) hosts client {i}, which rank "
+                                  f"{owner[i]} (client process {owner[i] - 1}) hosts too")
+            owner[i] = rank
+    ids = sorted(owner)
     if ids != list(range(n_clients)):
         raise ConfigError(f"the client processes must host each of the {n_clients} clients exactly once; "
                           f"they host {ids}")
