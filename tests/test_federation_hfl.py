@@ -210,3 +210,22 @@ def test_resume_and_audit_are_refused_for_a_horizontal_job(hfl_split, tmp_path, 
                      str(orgs[1].data), "--folder", str(orgs[1].run), flag])
         assert code == 2
         assert f"{flag} is for vertical jobs" in capsys.readouterr().err
+
+
+class _Replay:
+    """A communicator stand-in whose Recv hands out the given buffers in order (one peer's frame)."""
+
+    def __init__(self, *buffers: np.ndarray) -> None:
+        self.buffers = list(buffers)
+
+    def Recv(self, buf, source, tag) -> None:
+        buf[...] = self.buffers.pop(0)
+
+
+@pytest.mark.parametrize("meta, message", [(b"\xff{", "meta is not JSON"), (b"[1, 2]", "meta is not a JSON object")])
+def test_a_frame_whose_meta_is_not_a_json_object_is_refused_naming_the_sender(meta, message):
+    from parties.hfl.wire import Kind, WireError, recv_frame
+
+    header = np.array([int(Kind.UPLINK), len(meta), 0], dtype=np.int64)
+    with pytest.raises(WireError, match=f"rank 2 sent a UPLINK frame whose {message}"):
+        recv_frame(_Replay(header, np.frombuffer(meta, dtype=np.uint8)), 2, Kind.UPLINK)
