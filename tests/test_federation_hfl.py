@@ -222,7 +222,8 @@ class _Replay:
         buf[...] = self.buffers.pop(0)
 
 
-@pytest.mark.parametrize("meta, message", [(b"\xff{", "meta is not JSON"), (b"[1, 2]", "meta is not a JSON object")])
+@pytest.mark.parametrize("meta, message", [(b"\xff{", "meta is not JSON"),
+                                           (b"[1, 2]", "meta is not a JSON object")])
 def test_a_frame_whose_meta_is_not_a_json_object_is_refused_naming_the_sender(meta, message):
     from parties.hfl.wire import Kind, WireError, recv_frame
 
