@@ -40,7 +40,7 @@ import typing
 from typing import Any
 
 from parties.config import ConfigError
-from parties.federation.jobfile import Job, Party, check_distinct, check_leader_address, read_party
+from parties.federation.party_table import Party, check_distinct, check_leader_address, read_party
 from parties.hfl.config import HflConfig, check_shape, option_names, validate_options
 
 HFL_ROLES = ("server", "client")
@@ -70,8 +70,9 @@ def _key(name: str) -> str:
     return name.replace("_", "-")
 
 
-def parse_hfl(section: dict[str, Any], tables: list[Any], where: str) -> Job:
-    """A horizontal job from its ``[job]`` table and ``[[party]]`` tables; ConfigError in one line."""
+def parse_hfl(section: dict[str, Any], tables: list[Any], where: str) -> tuple[HflConfig, tuple[Party, ...]]:
+    """A horizontal job's options and parties from its ``[job]`` and ``[[party]]`` tables (the job file
+    makes them a :class:`~parties.federation.jobfile.Job`); ConfigError in one line."""
     parties = tuple(read_party(table, i, where, HFL_ROLES) for i, table in enumerate(tables))
     check_distinct(parties, where)
     _check_roles(parties, where)
@@ -91,7 +92,7 @@ def parse_hfl(section: dict[str, Any], tables: list[Any], where: str) -> Job:
         raise ConfigError(f"{where}: {err}") from None
     if config.n_features is None or config.n_features < 1 or (config.n_classes or 2) < 2:
         raise ConfigError(f"{where}: [job] n-features must be at least 1 and n-classes at least 2")
-    return Job(config, parties, where, kind="hfl")
+    return config, parties
 
 
 def canonical_options(config: HflConfig) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from parties.config import ConfigError
 from parties.federation.command import clear_folder, write_record
 from parties.federation.jobfile import Job
 from parties.federation.join import end_now
+from parties.federation.joined_run import broadcast_bytes, join_and_hold
 from parties.hfl.config import HflConfig
 
 #: Largest run summary a client accepts from the server.
@@ -68,8 +69,6 @@ def load_own_data(config: HflConfig, rank: int, path: Path) -> tuple[Any, Any]:
 
 def run_hfl(args: argparse.Namespace, job: Job, rank: int, private: bytes, say: Any) -> None:
     """This party's horizontal run: own data, join, the server's or a client's rounds, the summary."""
-    from parties.federation.member import join_and_hold
-
     folder = Path(args.folder)
     clear_folder(folder, resume=False)
     config = party_config(job, args)
@@ -101,8 +100,6 @@ def _rounds(comm: Any, config: HflConfig, shard: Any, test: Any) -> dict[str, fl
 def share_hfl_summary(comm: Any, rank: int, job: Job, config: HflConfig, record: dict[str, float],
                       say: Any) -> None:
     """The server's last record to every client (collective); each prints it and keeps ``result.json``."""
-    from parties.federation.member import broadcast_bytes
-
     data = b""
     if rank == 0:
         kept = {k: v for k, v in record.items() if _METRIC.fullmatch(k) or k == "train_time"}
