@@ -69,6 +69,9 @@ def load_own_data(config: HflConfig, rank: int, path: Path) -> tuple[Any, Any]:
 
 def run_hfl(args: argparse.Namespace, job: Job, rank: int, private: bytes, say: Any) -> None:
     """This party's horizontal run: own data, join, the server's or a client's rounds, the summary."""
+    from parties.threads import configure_rank
+
+    configure_rank()   # torch's pools: this host's CPUs (the one rank of its own mpiexec), as in parties.hfl
     folder = Path(args.folder)
     clear_folder(folder, resume=False)
     config = party_config(job, args)
