@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +157,46 @@ def test_a_client_that_claims_another_clients_rows_ends_the_run_for_everyone_nam
     assert f"ranks 0 {NAMES[0]}, 1 {NAMES[1]}, 2 {NAMES[2]}" in server.stdout
     for client in (clinic_a, clinic_b):
         assert f"the leader {NAMES[0]} left the run" in client.stderr, client.stderr
+    assert not (orgs[0].run / "model.npz").exists()
+
+
+@pytest.mark.mpi
+def test_a_client_killed_mid_run_ends_the_run_for_the_others_named(hfl_split, tmp_path):
+    import signal
+
+    from tests.test_federation import _party_process
+
+    orgs = make_hfl_orgs(tmp_path, hfl_split, f"127.0.0.1:{free_port()}")
+    text = orgs[0].job.read_text().replace('rounds = 4', 'rounds = 100000').replace('eval-every = 4',
+                                                                                    'eval-every = 100000')
+    for org in orgs:
+        org.job.write_text(text)
+    full = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    procs = [subprocess.Popen(o.command("--join-timeout", "60"), cwd=REPO_ROOT, env=full,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for o in orgs]
+    try:
+        metrics, deadline = orgs[0].run / "metrics.jsonl", time.monotonic() + 150
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs) and not (
+                metrics.exists() and metrics.stat().st_size):
+            time.sleep(0.05)
+        victim = _party_process(orgs[2])
+        assert victim is not None and metrics.stat().st_size, "the rounds did not start"
+        os.kill(victim, signal.SIGKILL)
+        dead = time.monotonic()
+        ended = []
+        for proc in procs[:2]:
+            proc.wait(timeout=60)
+            ended.append(time.monotonic() - dead)
+        outputs = [p.communicate(timeout=30) for p in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert max(ended) < 5, f"the others took {ended} s after the client died"
+    for proc, (_, err) in zip(procs[:2], outputs[:2], strict=True):
+        assert proc.returncode == 1
+        assert f"the run ended: {NAMES[2]} (party 2) left the run" in err.strip().splitlines()[-1], err
     assert not (orgs[0].run / "model.npz").exists()
 
 
