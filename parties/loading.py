@@ -29,9 +29,7 @@ def load_party(config: JobPlan, rank: int) -> PartyState:
     if config.party_files is None:
         raise ValueError("a rank reads only its own party file: the launcher writes them for a named "
                          "dataset (parties.launch.write_party_files)")
-    from vertical.datasets.party_files import load_party_file
-
-    data = load_party_file(own_party_file(config.party_files, rank), expect_labels=active)
+    data = read_own_party(own_party_file(config.party_files, rank), active, config.problem)
     X_train, X_test, y_train, y_test = data.X_train, data.X_test, data.y_train, data.y_test
     train_ids, test_ids = data.train_ids, data.test_ids
     if active and config.label_privacy == "dp":
@@ -62,16 +60,48 @@ def load_party(config: JobPlan, rank: int) -> PartyState:
         ids_digest=ids_digest(train_ids, test_ids), train_ids=train_ids, test_ids=test_ids)
 
 
+#: The names of a party's CSV file (``vfl align`` writes ``party-<p>.csv``).
+CSV_SUFFIXES = (".csv", ".csv.gz", ".csv.bz2")
+
+
 def own_party_file(path: str | Path, rank: int) -> Path:
     """A rank's data: ``party-<rank>`` of a split folder, or a party's file or folder itself (a party
-    started on its own, ``vfl party --data``, holds only its own)."""
+    started on its own, ``vfl party --data``, holds only its own): a ``party-<p>/`` folder, an ``.npz``,
+    a CSV file, or a folder of ``vfl align`` holding ``party-<rank>.csv``."""
+    from vertical.datasets.csv_parties import csv_party_name
     from vertical.datasets.party_files import find_party_file
     from vertical.datasets.party_folder import is_party_folder
 
     given = Path(path)
     if is_party_folder(given) or (given.suffix == ".npz" and given.is_file()):
         return given
-    return find_party_file(given, rank)
+    if given.is_file() and given.name.endswith(CSV_SUFFIXES):
+        return given
+    try:
+        return find_party_file(given, rank)
+    except FileNotFoundError:
+        if (given / csv_party_name(rank)).is_file():
+            return given / csv_party_name(rank)
+        raise
+
+
+def read_own_party(path: Path, active: bool, problem: str):
+    """One party's data from its file: a CSV is read with the checks ``vfl train --party-files`` makes
+    of a CSV folder before converting it (the problem's task for the labels, a feature column and a
+    training row at least); the row alignment across parties is the join's ids check."""
+    from vertical.datasets.party_files import load_party_file
+    from vertical.datasets.validation import DataValidationError
+    from vertical.problems import PROBLEMS
+
+    if not path.name.endswith(CSV_SUFFIXES):
+        return load_party_file(path, expect_labels=active)
+    data = load_party_file(path, expect_labels=active, task=PROBLEMS[problem].task)
+    if data.n_features == 0:
+        raise DataValidationError(f"{path}: no feature columns (only id/label/split): every party needs "
+                                  "at least one")
+    if data.train_ids.size == 0:
+        raise DataValidationError(f"{path}: no training rows")
+    return data
 
 
 def scaling_path(config: JobPlan, rank: int) -> Path:

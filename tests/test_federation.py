@@ -32,6 +32,8 @@ from protocols.channels import generate_key_pair
 from tests.conftest import REPO_ROOT
 
 NAMES = ("bank-a", "bank-b", "clinic-c")
+#: A fourth organisation, for the q = 4 job (tests/test_federation_four.py).
+NAMES_4 = (*NAMES, "insurer-d")
 OPEN_AUDIT = REPO_ROOT / "tests" / "open_audit"
 #: The job all three run: deterministic (sync-global, one active party), so it can be compared exactly.
 JOB = {"algorithm": "sgd", "mode": "sync-global", "epochs": 2, "batch-size": 8, "seed": 0}
@@ -43,7 +45,7 @@ JOB = {"algorithm": "sgd", "mode": "sync-global", "epochs": 2, "batch-size": 8, 
 def job_text(keys: dict[str, bytes], address: str, **changes) -> str:
     options = {**JOB, **changes}
     lines = ["[job]", *(f"{k} = {json.dumps(v)}" for k, v in options.items())]
-    for i, name in enumerate(NAMES):
+    for i, name in enumerate(keys):   # in rank order
         lines += ["", "[[party]]", f'name = "{name}"', f'role = "{"active" if i == 0 else "passive"}"']
         if i == 0:
             lines.append(f'address = "{address}"')
@@ -70,8 +72,8 @@ def split(tmp_path_factory):
 class Org:
     """One organisation's own folder: its key, its copy of the job file, its data, its run folder."""
 
-    def __init__(self, root: Path, rank: int, split: Path) -> None:
-        self.name, self.rank = NAMES[rank], rank
+    def __init__(self, root: Path, rank: int, split: Path, names: tuple[str, ...] = NAMES) -> None:
+        self.name, self.rank = names[rank], rank
         self.root = root / self.name
         self.root.mkdir(parents=True)
         private, self.public = generate_key_pair()
@@ -88,8 +90,8 @@ class Org:
                 "--no-progress", *more]
 
 
-def make_orgs(tmp_path: Path, split: Path) -> list[Org]:
-    return [Org(tmp_path, rank, split) for rank in range(3)]
+def make_orgs(tmp_path: Path, split: Path, names: tuple[str, ...] = NAMES) -> list[Org]:
+    return [Org(tmp_path, rank, split, names) for rank in range(len(names))]
 
 
 def write_jobs(orgs: list[Org], address: str, **changes_at: dict) -> None:
@@ -160,15 +162,14 @@ def error_line(result: subprocess.CompletedProcess) -> str:
 # ------------------------------------------------------------------------------ a trained model
 
 
-@pytest.fixture(scope="module")
-def hosts():
+def party_hosts(n: int):
     """One network namespace per party (own UTS namespace too, as parties.netns's launcher does), or
-    loopback with the reason why not."""
+    loopback with the reason why not: yields ([(command prefix, address)] * n, fallback reason or None)."""
     reason = netns.unavailable()
     if reason is None:
-        prefix, subnet = f"vf{os.getpid() % 100000}", f"10.217.{os.getpid() % 250}.0/24"
+        prefix, subnet = f"vf{n}{os.getpid() % 10000}", f"10.{214 + n}.{os.getpid() % 250}.0/24"
         try:
-            emulated = netns.setup(3, prefix=prefix, subnet=subnet)
+            emulated = netns.setup(n, prefix=prefix, subnet=subnet)
         except netns.NetnsError as err:
             reason = str(err)
         else:
@@ -179,7 +180,13 @@ def hosts():
             finally:
                 netns.teardown(prefix)
             return
-    yield [((), "127.0.0.1")] * 3, f"loopback instead of namespaces: {reason}"
+    yield [((), "127.0.0.1")] * n, f"loopback instead of namespaces: {reason}"
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """Three parties' places (:func:`party_hosts`)."""
+    yield from party_hosts(3)
 
 
 @pytest.mark.mpi

@@ -6,6 +6,8 @@ leader, opens an MPI port and serves a short authenticated hello (:mod:`parties.
 every other party proves it holds the key pinned for its name, is checked to run the same job, gets
 the port name and joins over MPI's dynamic-process interface (:mod:`parties.federation.join`). From
 there on it is the same runtime as ``vfl train`` (:func:`parties.training.train` on the joined
-communicator), each party's files in its own ``--folder`` (:mod:`parties.federation.member`).
+communicator), each party's files in its own ``--folder`` (:mod:`parties.federation.member`). A job file of
+``kind = "hfl"`` (:mod:`parties.federation.hfl_job`) runs ``python -m parties.hfl``'s server and
+client processes over the same join instead (:mod:`parties.federation.hfl_member`).
 Walkthrough and threat model: ``docs/deployment.md``.
 """

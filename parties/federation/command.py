@@ -25,7 +25,7 @@ PARTY_RECORD = "party.json"
 #: What a run leaves in a party's folder (``--overwrite`` removes these, and nothing else).
 RUN_FILES = ("party.json", "party-*.ckpt.npz", "party-*.prev.ckpt.npz", "party-*.ckpt.npz.tmp",
              "checkpoint.json", "metrics.jsonl", "result.json", "verdict-*.txt", "audit-*.npz",
-             "label-dp-*.npz")
+             "label-dp-*.npz", "metrics.csv", "model.npz")
 DEFAULT_JOIN_TIMEOUT = 120.0
 
 
@@ -37,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--key", required=True, metavar="FILE",
                    help="this party's private key (`vfl keygen`); its public half is pinned in the job file")
     p.add_argument("--data", required=True, metavar="PATH",
-                   help="this party's own data: its party-<p>/ folder or party-<p>.npz from `vfl split`")
+                   help="this party's own data: its party-<p>/ folder or party-<p>.npz from `vfl split`; "
+                        "in a horizontal job, a client's clients-<p>.npz and the server's test.npz from "
+                        "`python -m parties.hfl split`")
     p.add_argument("--folder", required=True, metavar="DIR",
                    help="this party's own folder: its block, checkpoints, audit, log (the leader's: the "
                         "metrics too)")
@@ -63,6 +65,10 @@ def checked(args: argparse.Namespace) -> tuple[Job, int, bytes]:
     job = load_job(args.job)
     rank = job.rank_of(args.name)
     private = read_private_key(args.key, job, rank)
+    if job.kind == "hfl" and (args.resume or args.audit):
+        flag = "--resume" if args.resume else "--audit"
+        raise ConfigError(f"{flag} is for vertical jobs: a horizontal job keeps no checkpoints and records "
+                          "no audit (start it again)")
     if not args.join_timeout > 0:
         raise ConfigError(f"--join-timeout must be positive (got {args.join_timeout:g})")
     if args.listen is not None:

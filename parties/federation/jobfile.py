@@ -19,6 +19,9 @@
     role = "passive"
     public_key = "a9e0…"
 
+A horizontal job (``kind = "hfl"`` in ``[job]``: a ``python -m parties.hfl`` server and its client
+processes) is read by :mod:`parties.federation.hfl_job`, with roles ``server`` and ``client``.
+
 The ``[job]`` keys are the option table of :mod:`parties.config` (``vfl train``'s long flags without the
 dashes; ``_`` may stand for ``-``), checked by the same :func:`parties.config.validate`. What each party
 decides for itself (its data, its folder, resuming, its progress bar, its audit) is not in the file
@@ -35,7 +38,6 @@ import difflib
 import hashlib
 import itertools
 import json
-import re
 import tomllib
 import typing
 from dataclasses import dataclass
@@ -43,6 +45,18 @@ from pathlib import Path
 from typing import Any
 
 from parties.config import ConfigError, RunConfig, long_flag, validate
+from parties.federation.party_table import (
+    PARTY_KEYS,
+    ROLES,
+    Party,
+    check_distinct,
+    check_leader_address,
+    read_party,
+    split_address,
+)
+
+__all__ = ["JOB_FORMAT", "PARTY_KEYS", "ROLES", "Job", "Party", "check_distinct", "check_leader_address",
+           "first_difference", "job_key", "load_job", "parse_job", "read_party", "split_address"]
 
 #: Bumped when the canonical form changes: parties of different versions then differ at "format".
 JOB_FORMAT = "vfl-job/1"
@@ -50,10 +64,7 @@ JOB_FORMAT = "vfl-job/1"
 MAX_JOB_BYTES = 64 * 1024
 #: The most parties a job file may list (one MPI process each).
 MAX_PARTIES = 256
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_HOST = re.compile(r"[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
-ROLES = ("active", "passive")
-PARTY_KEYS = ("name", "role", "address", "public_key")
+
 
 #: Options of ``vfl train`` that are not the job's: why, and where each party gives them instead.
 NOT_JOB_OPTIONS = {
@@ -87,28 +98,15 @@ _NOT_BY_KEY = {job_key(name): name for name in NOT_JOB_OPTIONS}
 
 
 @dataclass(frozen=True)
-class Party:
-    """One ``[[party]]`` table: who the party is, its role, where its hello listens, its pinned key."""
-
-    name: str
-    role: str
-    address: str | None
-    public_key: bytes
-
-    @property
-    def active(self) -> bool:
-        return self.role == "active"
-
-
-@dataclass(frozen=True)
 class Job:
     """A checked job file: the training options (with q and m from the parties) and the parties in rank
     order. ``options`` has no per-party value (data, folder): :meth:`parties.federation.member` adds
-    this party's own."""
+    this party's own. A horizontal job (``kind`` "hfl") holds a :class:`parties.hfl.HflConfig`."""
 
-    options: RunConfig
+    options: Any   # RunConfig; HflConfig when kind is "hfl"
     parties: tuple[Party, ...]
     where: str = "job file"
+    kind: str = "vfl"
 
     @property
     def leader(self) -> Party:
@@ -127,8 +125,13 @@ class Job:
     def canonical(self) -> dict[str, Any]:
         """What every party must agree on, as plain JSON values: every job option (defaults filled in,
         numbers as the option's type) and every party's table."""
-        return {"format": JOB_FORMAT,
-                "job": {job_key(name): getattr(self.options, name) for name in JOB_OPTIONS},
+        if self.kind == "hfl":
+            from parties.federation.hfl_job import canonical_options
+
+            options = canonical_options(self.options)
+        else:
+            options = {job_key(name): getattr(self.options, name) for name in JOB_OPTIONS}
+        return {"format": JOB_FORMAT, "job": options,
                 "parties": [{"name": p.name, "role": p.role, "address": p.address,
                              "public_key": p.public_key.hex()} for p in self.parties]}
 
@@ -175,7 +178,16 @@ def parse_job(text: str, where: str = "job file") -> Job:
         raise ConfigError(f"{where}: no [[party]] table: list every party, the leader first")
     if len(tables) > MAX_PARTIES:
         raise ConfigError(f"{where}: {len(tables)} parties; at most {MAX_PARTIES}")
-    parties = tuple(_party(table, i, where) for i, table in enumerate(tables))
+    kind = section.get("kind", "vfl")
+    if kind == "hfl":
+        from parties.federation.hfl_job import parse_hfl
+
+        config, parties = parse_hfl(section, tables, where)
+        return Job(config, parties, where, kind="hfl")
+    if kind != "vfl":
+        raise ConfigError(f"{where}: [job] kind must be \"vfl\" (the default) or \"hfl\" (got {kind!r})")
+    section = {k: v for k, v in section.items() if k != "kind"}
+    parties = tuple(read_party(table, i, where) for i, table in enumerate(tables))
     _check_parties(parties, where)
     given = _job_options(section, where)
     active = sum(p.active for p in parties)
@@ -238,59 +250,15 @@ def _typed(value: Any, hint: Any, field: dataclasses.Field, what: str) -> Any:
     raise ConfigError(f"{what} must be a string, got {value!r}")
 
 
-def _party(table: Any, index: int, where: str) -> Party:
-    what = f"{where}: [[party]] {index + 1}"
-    if not isinstance(table, dict):
-        raise ConfigError(f"{what} is not a table")
-    keys = {k.replace("-", "_"): v for k, v in table.items()}
-    unknown = sorted(set(keys) - set(PARTY_KEYS))
-    if unknown:
-        raise ConfigError(f"{what} has no key {unknown[0]!r}; a party has {', '.join(PARTY_KEYS)}")
-    name = keys.get("name")
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ConfigError(f"{what}: name must be 1-64 letters, digits, '.', '_' or '-' (got {name!r})")
-    what = f"{what} ({name})"
-    role = keys.get("role")
-    if role not in ROLES:
-        raise ConfigError(f"{what}: role must be \"active\" or \"passive\" (got {role!r})")
-    address = keys.get("address")
-    if address is not None:
-        split_address(address, what)
-    key = keys.get("public_key")
-    if not isinstance(key, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", key):
-        raise ConfigError(f"{what}: public_key must be 64 hex digits (an X25519 key from `vfl keygen`)")
-    return Party(name, role, address, bytes.fromhex(key))
-
-
-def split_address(address: Any, what: str = "address") -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` for IPv6) as (host, port); :class:`ConfigError` otherwise."""
-    if not isinstance(address, str) or ":" not in address:
-        raise ConfigError(f"{what}: address must be \"host:port\" (got {address!r})")
-    host, _, port = address.rpartition(":")
-    if not _HOST.fullmatch(host) or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(f"{what}: address must be \"host:port\" with a port in 1..65535 (got {address!r})")
-    return host.strip("[]"), int(port)
-
-
 def _check_parties(parties: tuple[Party, ...], where: str) -> None:
-    seen: dict[str, int] = {}
-    keys: dict[bytes, str] = {}
-    for party in parties:
-        if party.name in seen:
-            raise ConfigError(f"{where}: two parties are named {party.name!r}")
-        seen[party.name] = len(seen)
-        if party.public_key in keys:
-            raise ConfigError(f"{where}: {keys[party.public_key]} and {party.name} pin the same public key")
-        keys[party.public_key] = party.name
+    check_distinct(parties, where)
     for before, after in itertools.pairwise(parties):
         if after.active and not before.active:
             raise ConfigError(f"{where}: active party {after.name} follows passive party {before.name}: the "
                               "active parties come first (they are ranks 0..m-1)")
     if not parties[0].active:
         raise ConfigError(f"{where}: the first party ({parties[0].name}) leads the job and must be active")
-    if parties[0].address is None:
-        raise ConfigError(f"{where}: the first party ({parties[0].name}) leads the job: it needs an address "
-                          "(host:port where its hello listens)")
+    check_leader_address(parties, where)
 
 
 # ---------------------------------------------------------------------------- comparing two jobs

@@ -117,7 +117,7 @@ def lead(job: Job, private_key: bytes, bind: tuple[str, int], *, resume: bool, t
             session.send({"status": "joined"})
     MPI.Close_port(port)
     done = time.monotonic()
-    log(f"joined {job.options.parties} parties in {done - started:.2f} s (the last hello "
+    log(f"joined {len(job.parties)} parties in {done - started:.2f} s (the last hello "
         f"{helloed - started:.2f} s after this party listened, then the MPI join {done - helloed:.2f} s)")
     return Joined(comm, job_id, sessions)
 
@@ -197,7 +197,7 @@ def follow(job: Job, rank: int, private_key: bytes, *, resume: bool, timeout: fl
     session = party_hello(job, rank, private_key, resume=resume, deadline=time.monotonic() + timeout)
     check_same_job(session, job, HANDSHAKE_SECONDS)
     log(f"the leader {leader} authenticated this party and runs the same job; waiting for the others")
-    q = job.options.parties
+    q = len(job.parties)
     port, job_id = await_turn(session, time.monotonic() + timeout + q * ROUND_SECONDS)
     watchdog = _PartyWatchdog(session, time.monotonic() + q * ROUND_SECONDS, fail)
     inter = MPI.COMM_SELF.Connect(port)

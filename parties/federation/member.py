@@ -22,15 +22,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from parties.config import ConfigError
 from parties.federation.command import add_arguments, checked, clear_folder, write_record
-from parties.federation.hello import HelloRefused
-from parties.federation.jobfile import Job, split_address
+from parties.federation.jobfile import Job
 from parties.federation.join import end_now
-from parties.federation.leader import JoinFailed
-from parties.federation.runline import LeaderLine, PartyLine
+from parties.federation.joined_run import broadcast_bytes, join_and_hold
 from parties.plan import JobPlan, check_he_batch, check_he_features, noise_multiplier
 
 #: Largest run summary a party accepts from the leader.
@@ -62,7 +58,6 @@ def with_own_data(plan: JobPlan, party: Any, rank: int) -> JobPlan:
 
 
 def run(args: argparse.Namespace) -> None:
-    from parties.federation.join import follow, lead
     from parties.lifecycle import report_verdicts_to
     from parties.loading import load_party
     from parties.orphans import die_with_parent
@@ -77,6 +72,11 @@ def run(args: argparse.Namespace) -> None:
 
     try:
         job, rank, private = checked(args)
+        if job.kind == "hfl":
+            from parties.federation.hfl_member import run_hfl
+
+            run_hfl(args, job, rank, private, say)
+            return
         folder = Path(args.folder)
         clear_folder(folder, resume=args.resume)
         plan = party_plan(job, rank, args)
@@ -90,30 +90,10 @@ def run(args: argparse.Namespace) -> None:
     q = job.options.parties
     legend = ", ".join(f"{r} {p.name}" for r, p in enumerate(job.parties))
     say(f"party {rank} of {q} ({legend}); {party.block.n_rows} rows, {party.block.n_cols} features")
-    try:
-        if rank == 0:
-            bind = split_address(args.listen or job.leader.address)
-            say(f"leading: the hello listens on {bind[0]}:{bind[1]}")
-            joined = lead(job, private, bind, resume=args.resume, timeout=args.join_timeout, log=say,
-                                fail=lambda line: end_now(f"vfl party {name}: {line}"))
-        else:
-            say(f"joining the leader {job.leader.name} at {job.leader.address}")
-            joined = follow(job, rank, private, resume=args.resume, timeout=args.join_timeout, log=say,
-                                  fail=lambda line: end_now(f"vfl party {name}: {line}"))
-    except (HelloRefused, JoinFailed) as err:
-        end_now(f"vfl party {name}: {err}")
-        return
-    comm = joined.comm
     ended = (f"this party's checkpoints are in {folder} (--resume continues from the newest epoch every "
              "party completed)")
-
-    def end_run(line: str) -> None:
-        end_now(f"vfl party {name}: {line}; {ended}")
-
-    if rank == 0:
-        line = LeaderLine(joined.sessions, {p.name: r for r, p in enumerate(job.parties)}, end_run)
-    else:
-        line = PartyLine(joined.sessions[0], end_run)
+    joined, line = join_and_hold(job, rank, private, args, say, ended)
+    comm = joined.comm
     write_record(folder, job, rank, joined.job_id)
     plan = dataclasses.replace(plan, job_id=joined.job_id.hex())
     result = train_guarded(comm, party, plan, rank, abort_on_error=True)
@@ -125,10 +105,6 @@ def run(args: argparse.Namespace) -> None:
 def share_summary(comm: Any, rank: int, job: Job, plan: JobPlan, result: Any, say: Any) -> None:
     """The leader's summary of the run to every party (collective); each other party prints it and
     keeps it as ``result.json`` in its own folder."""
-    from mpi4py import MPI
-
-    from protocols.errors import ProtocolViolation
-
     data = b""
     if rank == 0:
         summary: dict[str, Any] = {"outcome": result.outcome.name.lower(), "epochs": result.epochs,
@@ -136,16 +112,10 @@ def share_summary(comm: Any, rank: int, job: Job, plan: JobPlan, result: Any, sa
         if plan.label_privacy == "none" and result.record is not None:
             summary["record"] = {k: v for k, v in result.record.items() if k in _METRICS}
         data = json.dumps(summary).encode()[:SUMMARY_BYTES]
-    length = np.array([len(data)], dtype=np.int64)
-    comm.Bcast([length, MPI.INT64_T], root=0)
-    n = int(length[0])
-    if not 0 < n <= SUMMARY_BYTES:
-        raise ProtocolViolation(0, "run summary", f"{n} bytes (at most {SUMMARY_BYTES})")
-    buf = np.frombuffer(bytearray(data), dtype=np.uint8) if rank == 0 else np.empty(n, dtype=np.uint8)
-    comm.Bcast([buf, MPI.BYTE], root=0)
+    received = broadcast_bytes(comm, rank, data, SUMMARY_BYTES, "run summary")
     if rank == 0:
         return
-    summary = checked_summary(buf.tobytes())
+    summary = checked_summary(received)
     shown = ", ".join(f"{k} {v:.6g}" for k, v in summary.get("record", {}).items())
     metrics = f"; {shown} (the leader {job.leader.name}'s evaluation)" if shown else ""
     c = plan.options

@@ -74,7 +74,8 @@ Where things are (each module imports only modules above it in this list):
   baselines), which replay the shared minibatch stream of clients hosted elsewhere.
 - :mod:`~parties.hfl.compositional`: the ranks of FedDRO (``--algorithm feddro``), which exchange at
   every local step.
-- :mod:`~parties.hfl.ranks`: :func:`run_ranks`, :func:`run_job` and the server's loop over the rounds.
+- :mod:`~parties.hfl.ranks`: :func:`run_ranks`, :func:`run_job`, ``run_rank`` (one rank with its data
+  loaded: what ``vfl party`` runs on a joined communicator) and the server's loop over the rounds.
 - :mod:`~parties.hfl.launcher`: :func:`launch_hfl`: validate, write ``config.json``, run ``mpiexec``.
 - :mod:`~parties.hfl.cli` (and ``__main__``): :func:`main`, :func:`build_parser`, :func:`from_args`.
 """

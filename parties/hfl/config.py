@@ -337,6 +337,17 @@ def validate(config: HflConfig) -> HflConfig:
     """Raise :class:`ConfigError` for anything that cannot run; return the config with ``n_features`` and
     ``n_classes`` resolved from the data."""
     c = config
+    validate_options(c)
+    n_features, n_classes = (inspect_client_files(Path(c.client_files), c.processes, c.clients)
+                             if c.client_files else _inspect_dataset(c))
+    check_shape(c, n_features, n_classes)
+    return dataclasses.replace(c, n_features=n_features, n_classes=n_classes or None)
+
+
+def validate_options(config: HflConfig) -> None:
+    """The checks that need no data: counts, names, the algorithm and its options (a federated job
+    checks these from its job file alone, :mod:`parties.federation.hfl_job`)."""
+    c = config
     for name in ("clients", "per_round", "local_steps", "batch_size", "rounds", "eval_every", "processes"):
         if getattr(c, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(c, name)})")
@@ -362,8 +373,10 @@ def validate(config: HflConfig) -> HflConfig:
     if c.family == "compositional":
         _check_compositional(c)
     build_algorithm(c)
-    n_features, n_classes = (inspect_client_files(Path(c.client_files), c.processes, c.clients)
-                             if c.client_files else _inspect_dataset(c))
+
+
+def check_shape(c: HflConfig, n_features: int, n_classes: int) -> None:
+    """The model fits data of ``n_features`` columns and ``n_classes`` classes (0: regression)."""
     if (c.model == "least-squares") != (n_classes == 0):
         data_kind = "regression targets" if n_classes == 0 else "class labels"
         raise ConfigError(f"--model {c.model} does not fit data with {data_kind}: use "
@@ -376,7 +389,6 @@ def validate(config: HflConfig) -> HflConfig:
         if side >> len(c.widths) < 1:
             raise ConfigError(f"--widths {','.join(map(str, c.widths))}: {len(c.widths)} pooling stages are "
                               f"too many for {side}x{side} images (at most {side.bit_length() - 1})")
-    return dataclasses.replace(c, n_features=n_features, n_classes=n_classes or None)
 
 
 def _check_compositional(c: HflConfig) -> None:

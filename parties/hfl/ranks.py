@@ -49,15 +49,23 @@ def _load_shard(config: HflConfig, process: int) -> Shard:
     return Shard(torch.as_tensor(ids), hosted)
 
 
-def _server_test_set(config: HflConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+TestSet = tuple[torch.Tensor, torch.Tensor]
+
+
+def load_test_set(path: Path, config: HflConfig) -> TestSet:
+    """The server's test set from a ``test.npz`` of ``split`` (``X``, ``y``), in the job's dtype."""
+    with np.load(path, allow_pickle=False) as f:
+        X, y = torch.as_tensor(f["X"]).to(config.torch_dtype), torch.as_tensor(f["y"])
+    return X, y.to(config.torch_dtype) if y.is_floating_point() else y
+
+
+def _server_test_set(config: HflConfig) -> TestSet | None:
     if config.client_files is None:
         return load_training_data(config)[1]
     path = Path(config.client_files) / "test.npz"
     if not path.is_file():
         return None
-    with np.load(path, allow_pickle=False) as f:
-        X, y = torch.as_tensor(f["X"]).to(config.torch_dtype), torch.as_tensor(f["y"])
-    return X, y.to(config.torch_dtype) if y.is_floating_point() else y
+    return load_test_set(path, config)
 
 
 def run_job(comm: Any, config: HflConfig) -> None:
@@ -70,12 +78,18 @@ def run_job(comm: Any, config: HflConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"party-{rank}.pid").write_text(str(os.getpid()))
     shard = None if rank == SERVER else _load_shard(config, rank - 1)
+    run_rank(comm, config, shard, _server_test_set(config) if rank == SERVER else None)
+
+
+def run_rank(comm: Any, config: HflConfig, shard: Shard | None, test: TestSet | None) -> dict[str, float]:
+    """This rank's part of the job, its data loaded (a client process's ``shard``, the server's ``test``
+    set): the federated command (:mod:`parties.federation.hfl_member`) loads them from its own ``--data``.
+    Returns the server's last record (the metrics of the last round); ``{}`` at a client process."""
+    rank = comm.Get_rank()
     if config.layered:
-        _run_layered(comm, config, shard)
-        return
+        return _run_layered(comm, config, shard, test)
     if config.family == "compositional":
-        _run_compositional(comm, config, shard)
-        return
+        return _run_compositional(comm, config, shard, test)
     model = build_model(config)
     if shard is not None:
         model.check_data(shard.data.X, shard.data.y, f"client process {rank - 1}'s data")
@@ -93,13 +107,13 @@ def run_job(comm: Any, config: HflConfig) -> None:
         store = stores.rows(shard.client_ids)
         del stores, server_state
         ClientProcess(job, store).serve()
-        return
+        return {}
     del stores
-    server = Server(job, server_state, [torch.tensor(h) for h in hosts[1:]], _server_test_set(config))
-    _serve_rounds(server, config)
+    server = Server(job, server_state, [torch.tensor(h) for h in hosts[1:]], test)
+    return _serve_rounds(server, config)
 
 
-def _run_layered(comm: Any, config: HflConfig, shard: Shard | None) -> None:
+def _run_layered(comm: Any, config: HflConfig, shard: Shard | None, test: TestSet | None) -> dict[str, float]:
     """The layered backbone's job (``--model cnn``): every rank builds the CNN and the method from the
     config; the server initialises the weights from the seed's init stream, as the simulation does."""
     streams = Streams.from_seed(config.seed, config.clients)
@@ -112,14 +126,15 @@ def _run_layered(comm: Any, config: HflConfig, shard: Shard | None) -> None:
         trainer = LocalTrainer(model, shard.data, config.local_training)
         template = {k: v.detach().clone() for k, v in model.state_dict().items()}
         LayeredClientProcess(comm, config, method, trainer, shard, streams, sizes, template).serve()
-        return
+        return {}
     init_weights(model, streams.init)
     server = LayeredServerRank(comm, config, method, model, streams, [h or [] for h in hosts[1:]], sizes,
-                               _server_test_set(config))
-    _serve_rounds(server, config)
+                               test)
+    return _serve_rounds(server, config)
 
 
-def _run_compositional(comm: Any, config: HflConfig, shard: Shard | None) -> None:
+def _run_compositional(comm: Any, config: HflConfig, shard: Shard | None, test: TestSet | None
+                       ) -> dict[str, float]:
     """FedDRO's job (``--algorithm feddro``): the server draws x^0 from the seed's init stream, as the
     simulation does, and broadcasts it."""
     streams = Streams.from_seed(config.seed, config.clients)
@@ -132,10 +147,10 @@ def _run_compositional(comm: Any, config: HflConfig, shard: Shard | None) -> Non
     comm.Bcast(x0.numpy(), root=SERVER)
     if shard is not None:
         serve_client(comm, config, algorithm, model, objective, shard, x0)
-        return
+        return {}
     server = CompositionalServer(comm, config, algorithm, model, objective, [h or [] for h in hosts[1:]], x0,
-                                 _server_test_set(config))
-    _serve_rounds(server, config)
+                                 test)
+    return _serve_rounds(server, config)
 
 
 def _gather_hosts(comm: Any, client_ids: torch.Tensor | None, n_clients: int) -> list[list[int] | None]:
@@ -163,13 +178,21 @@ def _gather_hosts(comm: Any, client_ids: torch.Tensor | None, n_clients: int) ->
 
 
 def _check_hosts(hosts: list[list[int] | None], n_clients: int) -> None:
-    ids = sorted(i for h in hosts[1:] for i in (h or []))
+    owner: dict[int, int] = {}
+    for rank, hosted in enumerate(hosts[1:], start=1):
+        for i in hosted or []:
+            if i in owner:
+                raise ConfigError(f"rank {rank} (client process {rank - 1}) hosts client {i}, which rank "
+                                  f"{owner[i]} (client process {owner[i] - 1}) hosts too")
+            owner[i] = rank
+    ids = sorted(owner)
     if ids != list(range(n_clients)):
         raise ConfigError(f"the client processes must host each of the {n_clients} clients exactly once; "
                           f"they host {ids}")
 
 
-def _serve_rounds(server: Server | LayeredServerRank | CompositionalServer, config: HflConfig) -> None:
+def _serve_rounds(server: Server | LayeredServerRank | CompositionalServer, config: HflConfig
+                  ) -> dict[str, float]:
     from tqdm.auto import tqdm
 
     out = Path(config.out)
@@ -199,6 +222,7 @@ def _serve_rounds(server: Server | LayeredServerRank | CompositionalServer, conf
           f"S={config.per_round}): {config.rounds} rounds, {shown}, "
           f"uplink {server.uplink_bits / 8e6:.3f} MB.\n"
           f"Metrics: {out / 'metrics.jsonl'}; final server state: {out / 'model.npz'}", flush=True)
+    return record
 
 
 def run_ranks(config_paths: Sequence[str]) -> None:

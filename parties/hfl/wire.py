@@ -93,7 +93,13 @@ def recv_frame(comm: Any, source: int, expect: Kind | Sequence[Kind]) -> Frame:
     if meta_nbytes:
         raw = np.empty(meta_nbytes, dtype=np.uint8)
         comm.Recv(raw, source=source, tag=TAG)
-        meta = json.loads(raw.tobytes())
+        what = f"rank {source} sent a {Kind(kind_value).name} frame whose meta is not"
+        try:
+            meta = json.loads(raw.tobytes())
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise WireError(f"{what} JSON") from None
+        if not isinstance(meta, dict):
+            raise WireError(f"{what} a JSON object")
     body = np.empty(body_nbytes, dtype=np.uint8)
     if body_nbytes:
         comm.Recv(body, source=source, tag=TAG)
