@@ -305,8 +305,6 @@ class BlockGradient:
                                     f"not a ciphertext array ({_first_line(err)})") from None
         if cts.ndim != 1 or cts.size != b:
             raise ProtocolViolation(self.source, _WHAT_CT, f"{cts.size} ciphertexts for {b} rows")
-        if self._modulus is not None:
-            self._check_jacobi(cts)
         blk = self.block
         starts, ends = blk.indptr[rows], blk.indptr[rows + 1]
         nnz = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)]) \
@@ -320,7 +318,20 @@ class BlockGradient:
         if np.any(self._bounds >= 2.0**(RETURN_BITS - 2)):
             raise ValueError(f"a column's gradient over {b} rows could leave the {RETURN_BITS}-bit return "
                              f"width: scale the features")
-        ev = self._evaluator
+        try:  # the library computes on the peer's ciphertexts: what it cannot do is the peer's fault
+            if self._modulus is not None:
+                self._check_jacobi(cts)
+            return self._masked_sums(cts, nnz, position, columns)
+        except ProtocolViolation:
+            raise
+        except Exception as err:  # e.g. a ciphertext of another scheme: "std::get: wrong index for variant"
+            self._masks = self._bounds = None
+            raise ProtocolViolation(self.source, _WHAT_CT,
+                                    f"does not compute under its key ({_first_line(err)})") from None
+
+    def _masked_sums(self, cts, nnz: np.ndarray, position: np.ndarray, columns: np.ndarray) -> bytes:
+        """The serialised [[Σ_i x_ij ϑ_i + r_j]] per column j (:meth:`masked`'s arithmetic)."""
+        ev, d = self._evaluator, self.block.n_cols
         # one fresh encryption per column: an encrypted zero where the batch has no non-zero
         self._masks, encoded_masks = self.draw_masks(d)
         masks = self._encryptor.encrypt(self._kit.array(np.array(encoded_masks, dtype=object), self._big))

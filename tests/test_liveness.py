@@ -147,17 +147,23 @@ if MPI.COMM_WORLD.Get_rank() == 1:  # connects, announces its size, then never s
         time.sleep(60)
         yield from ()
     psi.Party.start_chunks = stalled
-align.run_rank(["--bench", "50", "--peer-timeout", "3"])
+import sys
+align.run_rank(["--bench", "50", "--peer-timeout", "3", "--out", sys.argv[-1]])
 """
 
 
 @pytest.mark.mpi
-def test_vfl_align_names_a_peer_that_connects_and_stalls() -> None:
-    proc = run_mpi(3, ["-c", ALIGN_STALL], check=False, timeout=90)
+def test_vfl_align_names_a_peer_that_connects_and_stalls(tmp_path: Path) -> None:
+    """The naming line is read from the ranks' verdict files, as ``launch_alignment`` does: on standard
+    error it was lost in some runs, when the abort killed the ranks before Hydra forwarded it."""
+    from parties.outcomes import decisive_verdict, read_verdicts
+
+    proc = run_mpi(3, ["-c", ALIGN_STALL, str(tmp_path)], check=False, timeout=90)
     stalled = _stalled_for(proc, time.time())
     assert proc.returncode != 0
-    assert re.search(r"\[party \d\] error: party 1 has been silent for [\d.]+ s while party \d waited "
-                     r"for its blinded list \(round 1", proc.stderr), proc.stderr
+    verdict = decisive_verdict(read_verdicts(tmp_path, 3)) or ""
+    assert re.search(r"^\[party \d\] error: party 1 has been silent for [\d.]+ s while party \d waited "
+                     r"for its blinded list \(round 1", verdict), (verdict, proc.stderr)
     assert stalled < TIMEOUT + 2, f"the job took {stalled:.1f} s after the stall to end"
 
 
