@@ -392,7 +392,7 @@ def run_rank(argv: list[str] | None = None) -> None:
     rank, q = comm.Get_rank(), comm.Get_size()
     from parties.lifecycle import report_verdicts_to
 
-    report_verdicts_to(Path(args.out) / f"verdict-{rank}.txt")
+    report_verdicts_to(None if args.out is None else Path(args.out) / f"verdict-{rank}.txt")
     try:
         if args.bench:
             ids = bench_ids(rank, args.bench, args.overlap, args.seed)
@@ -414,7 +414,7 @@ def run_rank(argv: list[str] | None = None) -> None:
         liveness.timeout = args.peer_timeout
         result = align_ids(comm, ids, context=args.id_column.encode(), liveness=liveness)
         if table is not None:
-            write_aligned(table, result.rows, Path(args.out) / f"party-{rank}.csv", args.id_column)
+            write_aligned(table, result.rows, Path(args.out or ".") / f"party-{rank}.csv", args.id_column)
         mine = np.array([result.seconds, result.bytes_sent, len(result.rows)], dtype=np.float64)
         if rank == 0:
             report = np.zeros((q, 3), dtype=np.float64)
@@ -441,7 +441,8 @@ def _rank_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="one party of `vfl align` (run under mpiexec)")
     p.add_argument("--ids", nargs="*", default=[], help="the parties' files, in rank order")
     p.add_argument("--id-column", default="id")
-    p.add_argument("--out", default=".")
+    p.add_argument("--out", default=None, help="the aligned files and the verdict files (default: the "
+                   "current folder, and no verdict files)")
     p.add_argument("--report", default=None, help="the leader writes the summary here (JSON)")
     p.add_argument("--bench", type=int, default=0, help="synthetic ids per party instead of files")
     p.add_argument("--overlap", type=float, default=0.5)

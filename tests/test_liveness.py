@@ -167,6 +167,17 @@ def test_vfl_align_names_a_peer_that_connects_and_stalls(tmp_path: Path) -> None
     assert stalled < TIMEOUT + 2, f"the job took {stalled:.1f} s after the stall to end"
 
 
+def test_vfl_aligns_accusations_are_counted_like_vfl_trains(tmp_path: Path) -> None:
+    """``vfl align``'s lines say ``error:``; a party accused by two is named over one accused by one."""
+    from parties.outcomes import decisive_verdict, read_verdicts
+
+    for rank, (at, line) in {0: (1, "[party 0] error: party 2 sent an invalid blinded list: x"),
+                             1: (2, "[party 1] error: party 2 sent an invalid blinded list: y"),
+                             2: (0, "[party 2] error: party 0 sent an invalid nonce: made up")}.items():
+        (tmp_path / f"verdict-{rank}.txt").write_text(f"{at} {line}\n")
+    assert decisive_verdict(read_verdicts(tmp_path, 3)).startswith("[party 0] error: party 2 sent")
+
+
 # ------------------------------------------------------------------------------------ control words
 
 
