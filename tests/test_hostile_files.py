@@ -31,3 +31,18 @@ def test_a_real_plans_config_json_with_an_unknown_option_loads_without_it(tmp_pa
     plan["options"]["injected"] = "x"  # an unknown option inside the plan
     (tmp_path / "config.json").write_text(json.dumps(plan))
     assert not hasattr(load_run(tmp_path).options, "injected")
+
+
+def test_every_test_the_audit_table_names_exists() -> None:
+    """docs/security.md maps each finding of issue 26 to tests; each ``file::name`` must be a test there."""
+    import re
+
+    from tests.conftest import REPO_ROOT
+
+    doc = (REPO_ROOT / "docs" / "security.md").read_text()
+    table = doc[doc.index("## The hostile-party audit"):]
+    named = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", table)
+    rows = re.findall(r"^\| (\d)\. ", table, re.MULTILINE)
+    assert rows == [str(k) for k in range(1, 10)] and len(named) >= 9
+    for path, name in named:
+        assert re.search(rf"^def {name}\(", (REPO_ROOT / path).read_text(), re.MULTILINE), f"{path}::{name}"
