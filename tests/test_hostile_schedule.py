@@ -85,3 +85,10 @@ def test_a_dominator_beyond_its_schedule_ends_the_job_named(tmp_path: Path, scen
     assert ended - float(found.group(1)) < TIMEOUT + 2, output
     verdict = decisive_verdict(read_verdicts(tmp_path, 3))
     assert verdict is not None and f"party 1 sent an invalid {detail}" in verdict, (verdict, output)
+
+
+def test_the_largest_inflight_is_what_every_party_holds_per_dominator() -> None:
+    from parties.config import MAX_INFLIGHT
+    from parties.data_plane import MAX_OPEN_REQUESTS
+
+    assert MAX_INFLIGHT == MAX_OPEN_REQUESTS  # --inflight past the receivers' bound would be refused
