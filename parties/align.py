@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from parties.orphans import die_with_parent, tied_command
-from parties.outcomes import STOP_LINE, find_stop
+from parties.outcomes import STOP_LINE, decisive_verdict, find_stop, read_verdicts
 from protocols import psi
 from protocols.errors import ProtocolViolation
 from protocols.liveness import STARTUP_TIMEOUT_S, Liveness, PeerTimeout, Pending
@@ -374,8 +374,12 @@ def align_ids(comm, ids: list[str], context: bytes = b"", *, liveness: Liveness 
 
 
 def _stop(comm, rank: int, line: str, code: int) -> None:
-    print(line, file=sys.stderr, flush=True)
-    comm.Abort(code)
+    """End the job with ``line``: to this rank's verdict file first (``<out>/verdict-<rank>.txt``, read
+    by :func:`launch_alignment`), then standard error, which Hydra may lose when the abort kills the
+    ranks (``parties/lifecycle.py``)."""
+    from parties.lifecycle import end_job  # imports mpi4py.MPI: the rank's side only
+
+    end_job(comm, line, code)
 
 
 def run_rank(argv: list[str] | None = None) -> None:
@@ -386,6 +390,9 @@ def run_rank(argv: list[str] | None = None) -> None:
     die_with_parent()  # no orphan rank if its proxy is killed (parties/orphans.py)
     comm = MPI.COMM_WORLD
     rank, q = comm.Get_rank(), comm.Get_size()
+    from parties.lifecycle import report_verdicts_to
+
+    report_verdicts_to(None if args.out is None else Path(args.out) / f"verdict-{rank}.txt")
     try:
         if args.bench:
             ids = bench_ids(rank, args.bench, args.overlap, args.seed)
@@ -407,7 +414,7 @@ def run_rank(argv: list[str] | None = None) -> None:
         liveness.timeout = args.peer_timeout
         result = align_ids(comm, ids, context=args.id_column.encode(), liveness=liveness)
         if table is not None:
-            write_aligned(table, result.rows, Path(args.out) / f"party-{rank}.csv", args.id_column)
+            write_aligned(table, result.rows, Path(args.out or ".") / f"party-{rank}.csv", args.id_column)
         mine = np.array([result.seconds, result.bytes_sent, len(result.rows)], dtype=np.float64)
         if rank == 0:
             report = np.zeros((q, 3), dtype=np.float64)
@@ -434,7 +441,8 @@ def _rank_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="one party of `vfl align` (run under mpiexec)")
     p.add_argument("--ids", nargs="*", default=[], help="the parties' files, in rank order")
     p.add_argument("--id-column", default="id")
-    p.add_argument("--out", default=".")
+    p.add_argument("--out", default=None, help="the aligned files and the verdict files (default: the "
+                   "current folder, and no verdict files)")
     p.add_argument("--report", default=None, help="the leader writes the summary here (JSON)")
     p.add_argument("--bench", type=int, default=0, help="synthetic ids per party instead of files")
     p.add_argument("--overlap", type=float, default=0.5)
@@ -488,9 +496,15 @@ def launch_alignment(parties: int, ids: list[str], id_column: str, out: str,
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise AlignInputError(f"--out {out_dir}: cannot create it ({err.strerror})") from None
+    for stale in out_dir.glob("verdict-*.txt"):  # a previous job's: only this job's ranks decide
+        stale.unlink(missing_ok=True)
     proc = run_job(parties, ["--ids", *map(str, files), "--id-column", id_column, "--out", str(out_dir),
                              "--peer-timeout", repr(peer_timeout)])
     output = proc.stdout + proc.stderr
+    # the ranks' verdict files decide (written before the abort), the forwarded output only without them
+    verdict = decisive_verdict(read_verdicts(out_dir, parties)) if proc.returncode != 0 else None
+    if verdict is not None:
+        output = verdict
     stopped = find_stop(output)
     if stopped:
         print(f"vfl align: error: {stopped[1]}", file=sys.stderr)

@@ -76,6 +76,11 @@ def non_negative(suffix: str = " (got {value})") -> Check:
     return Check(lambda v: v >= 0, "{flag} must be non-negative" + suffix)
 
 
+#: Most aggregation requests a dominator may keep open (``--inflight``): every other party holds the
+#: partial sums of that many requests per dominator, and refuses more (``parties/data_plane.py``).
+MAX_INFLIGHT = 256
+
+
 def at_least(low: int, suffix: str = "") -> Check:
     return Check(lambda v: v >= low, f"{{flag}} must be at least {low} (got {{value}}){suffix}")
 
@@ -152,7 +157,7 @@ class RunConfig:
     saga_table_budget: float = option(
         2.0, "--saga-table-budget", metavar="GiB", check=positive(" (GiB), got {value}"),
         help="largest n × d_l table exact SAGA may allocate per party (else use saga-scalar)")
-    inflight: int = option(1, "-P", "--inflight", check=at_least(1),
+    inflight: int = option(1, "-P", "--inflight", check=between(1, MAX_INFLIGHT),
                            help="aggregation requests a dominator keeps outstanding (async mode)")
     piggyback: bool = option(
         False, "--piggyback",

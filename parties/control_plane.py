@@ -23,6 +23,8 @@ duplicate (:meth:`~protocols.secure_aggregation.SecureAggregator.over_mpi`), whi
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from mpi4py import MPI
 
@@ -210,15 +212,16 @@ class ControlPlane:
         """Leader: the encrypted ϑ_0 (``label_he.pack_bytes`` words) to passive party ``dest``."""
         self.send_framed(TAG_HE_FULL, dest, words)
 
-    def recv_he_full(self, root: int, limit_words: int) -> bytes:
-        return self.recv_framed(TAG_HE_FULL, root, limit_words)
+    def recv_he_full(self, root: int, limit_words: int, progress: int = 0) -> bytes:
+        """``progress``: how many progress words the leader's encryption of ϑ_0 may send first."""
+        return self.recv_framed(TAG_HE_FULL, root, limit_words, progress)
 
     def send_he_full_masked(self, root: int, words: np.ndarray) -> None:
         """Passive party: its masked encrypted X_lᵀϑ_0 back to the leader."""
         self.send_framed(TAG_HE_FULL_MASKED, root, words)
 
-    def recv_he_full_masked(self, source: int, limit_words: int) -> bytes:
-        return self.recv_framed(TAG_HE_FULL_MASKED, source, limit_words)
+    def recv_he_full_masked(self, source: int, limit_words: int, progress: int = 0) -> bytes:
+        return self.recv_framed(TAG_HE_FULL_MASKED, source, limit_words, progress)
 
     def send_he_full_decrypted(self, dest: int, words: np.ndarray) -> None:
         """Leader: the decryption, still masked, of ``dest``'s answer (a fixed 2 d_l words)."""
@@ -226,15 +229,29 @@ class ControlPlane:
         pending.send(words, dest, TAG_HE_FULL_DECRYPTED)
         pending.wait()
 
-    def recv_he_full_decrypted(self, root: int, n_words: int) -> np.ndarray:
+    def recv_he_full_decrypted(self, root: int, n_words: int, work_s: float = 0.0) -> np.ndarray:
         """The leader's decryption of this party's answer: exactly ``n_words`` words, checked before
         anything reads them (a short reply would leave words of the buffer unset). The leader may be
         decrypting another passive party's answer first: one level above the exchanges that wait."""
         words = np.empty(n_words, dtype=np.uint64)
-        self._recv_exact(words, root, TAG_HE_FULL_DECRYPTED, self.liveness.exchange_level + 1)
+        self._recv_exact(words, root, TAG_HE_FULL_DECRYPTED, self._allowing(work_s) + 1)
         return words
 
+    def _allowing(self, work_s: float) -> int:
+        """The level of a barrier-time exchange whose sender may first work ``work_s`` seconds without
+        delivering anything: that much more time, in steps of the levels' stagger (protocols/liveness.py)."""
+        return self.liveness.exchange_level + math.ceil(work_s / self.liveness.stagger)
+
     # --------------------------------------------------------------------------------- framing
+
+    def send_progress(self, tag: int, dests: list[int]) -> None:
+        """A progress word (a frame of size 0) to each of ``dests`` on ``tag``: one more piece of a long
+        local step is done. It restarts the receiver's deadline; :meth:`recv_framed` takes no more of them
+        than the step's work allows, so a party cannot stall the exchange by reporting progress forever."""
+        pending = self._pending(tag)
+        for dest in dests:
+            pending.send(np.zeros(1, dtype=np.uint64), dest, tag)
+        pending.wait()
 
     def send_framed(self, tag: int, dest: int, words: np.ndarray) -> None:
         """A variable-length message: its word count first, then the words (both on ``tag``)."""
@@ -243,12 +260,19 @@ class ControlPlane:
         pending.send(words, dest, tag)
         pending.wait()
 
-    def recv_framed(self, tag: int, source: int, limit_words: int) -> bytes:
+    def recv_framed(self, tag: int, source: int, limit_words: int, progress: int = 0) -> bytes:
         """The bytes of a :meth:`send_framed` message of ``label_he.pack_bytes`` words: the announced
-        size is bounded before anything is allocated, the framing checked before it is parsed."""
+        size is bounded before anything is allocated, the framing checked before it is parsed. Up to
+        ``progress`` progress words (:meth:`send_progress`) may come first, each within the deadline."""
         what = CONTROL_KINDS[tag]
         size = np.zeros(1, dtype=np.uint64)
-        self._recv_exact(size, source, tag)
+        for _ in range(progress + 1):
+            self._recv_exact(size, source, tag)
+            if int(size[0]) != 0:
+                break
+        else:
+            raise ProtocolViolation(source, what, f"more than {progress} progress words: more than the "
+                                    f"work of this step can take")
         if not 2 < int(size[0]) <= limit_words:
             raise ProtocolViolation(source, what, f"announced {int(size[0])} words (at most {limit_words})")
         framed = np.empty(int(size[0]), dtype=np.uint64)

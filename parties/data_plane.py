@@ -64,14 +64,13 @@ from protocols.delay import DelayedDelivery
 from protocols.dispatch import Inbox, pack, piggyback, split_piggyback
 from protocols.errors import ProtocolViolation
 from protocols.liveness import Liveness
+from protocols.schedule import DominatorSchedule
 from protocols.transport import AGGREGATION_TAG, MpiTransport
 
-#: Request ids of one dominator this party accepts beyond its oldest unfinished one. A dominator keeps at
-#: most ``--inflight`` requests open and one cannot finish before this party has contributed, so honest
-#: traffic stays within a few ids of the oldest (link jitter reorders a few more); a flood of tree sums
-#: for far-ahead ids is refused instead of held: at most 256 × 2 partial sums of one message each
-#: (8,192 words without --label-privacy he: 32 MiB) per dominator, where the library default (65,536)
-#: allowed 8 GiB.
+#: Most request ids of one dominator this party accepts beyond its oldest unfinished one: the job's
+#: ``--inflight``, at most this (request ``rid`` comes only once ``rid - inflight`` is done here). At most
+#: 256 × 2 partial sums of 8,192 words (32 MiB) per dominator; the rest of its schedule:
+#: ``protocols/schedule.py``.
 MAX_OPEN_REQUESTS = 256
 #: Longest a thread waiting on a peer sleeps before it looks at its deadline again (seconds).
 TICK = 0.05
@@ -110,7 +109,10 @@ class DataPlane:
         self.apply_delay = options.apply_delay if options.straggler == self.rank else 0.0
         self.node = AggregationNode(self.rank, self.q, tree_pairs, allow_leaky_q2=options.allow_two_parties,
                                      roots=options.active_ranks,  # only dominators root a request
-                                     max_open=MAX_OPEN_REQUESTS, batch=options.batch_size)
+                                     max_open=min(self.inflight, MAX_OPEN_REQUESTS),
+                                     batch=options.batch_size)
+        #: each dominator held to its schedule: requests ahead of its broadcasts, broadcasts of its requests
+        self.schedule = DominatorSchedule(self.q, inflight=self.inflight, dispatch=options.dispatch)
         self.node_lock = threading.Lock()
         self.inbox = Inbox(self.q)
         self._label_state(label)
@@ -273,6 +275,7 @@ class DataPlane:
             seq, rows, payload = label_he.unpack_batch(source, msg, n_rows=self.party.block.n_rows,
                                                        batch=self.batch_size)
             self.inbox.next_sequence(source, seq, "encrypted batch")
+            self._scheduled(source, seq, rows, "encrypted batch")
             self._queue_of[source].put((source, rows, payload, seq))
         elif tag == TAG_HE_MASKED:
             self.transport.send(source, self.label.decrypt_for(source, msg, self.sent), TAG_HE_DECRYPTED)
@@ -310,7 +313,13 @@ class DataPlane:
     def _on_theta(self, source: int, message: np.ndarray) -> None:
         """A dominator's (ϑ, i) broadcast: validated (protocols/dispatch.py), then to its worker."""
         rows, thetas = self.inbox.unpack(source, message, self.party.block.n_rows)
+        self._scheduled(source, int(message[0]), rows, "(ϑ, i) message")
         self._queue_of[source].put((source, rows, thetas))
+
+    def _scheduled(self, source: int, seq: int, rows: np.ndarray, what: str) -> None:
+        """A broadcast is for the request of the same number, aggregated here, and for its rows."""
+        with self.node_lock:
+            self.schedule.broadcast(source, seq, rows, finished=self.node.finished(source, seq), what=what)
 
     def _heartbeat_loop(self) -> None:
         """Liveness: tell every other party this one is alive, end the job when one has been silent for
@@ -362,6 +371,8 @@ class DataPlane:
         self._send_all(step.outgoing)
         event = step.event
         if isinstance(event, Requested):
+            with self.node_lock:
+                self.schedule.request(event.root, event.rid, event.indices)
             values = self.party.rule.products(self.party.w, event.indices)
             with self.node_lock:
                 step = self.node.start(event.root, event.rid, values)

@@ -14,13 +14,21 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
 
 from parties.audit import AuditLog
 from parties.control_plane import ControlPlane
-from parties.messages import AUDIT_HE_FULL_GRADIENT, AUDIT_HE_GRADIENT, MAX_MESSAGE_WORDS, TAG_HE_MASKED
+from parties.messages import (
+    AUDIT_HE_FULL_GRADIENT,
+    AUDIT_HE_GRADIENT,
+    MAX_MESSAGE_WORDS,
+    TAG_HE_FULL,
+    TAG_HE_FULL_MASKED,
+    TAG_HE_MASKED,
+)
 from protocols import label_he
 from protocols.errors import ProtocolViolation
 
@@ -183,16 +191,18 @@ class LabelPlane:
         (the passive parties compute theirs in parallel)."""
         assert self.key is not None
         n = theta.size
-        try:
-            payload = label_he.pack_bytes(0, self.key.encrypt(theta))
+        passive = [p for p in range(self.q) if p not in self.active_ranks]
+        try:  # a long encryption: a progress word per piece keeps the passive parties' deadlines
+            payload = label_he.pack_bytes(0, self.key.encrypt(
+                theta, lambda: self.control.send_progress(TAG_HE_FULL, passive)))
         except OverflowError as err:
             self.stop("diverged", str(err))
-        passive = [p for p in range(self.q) if p not in self.active_ranks]
         for p in passive:
             self.control.send_he_full(p, payload)
         limit = label_he.ciphertext_limit(self.key.key_bits, n) // 8 + 3
+        words = label_he.progress_words(n, label_he.MASK_ROWS)  # each one's masked pass reports progress
         for p in passive:
-            masked = self.control.recv_he_full_masked(p, limit)
+            masked = self.control.recv_he_full_masked(p, limit, words)
             self.control.send_he_full_decrypted(p, self.key.decrypt_masked(p, masked, n))
 
     def full_pass_passive(self, root: int) -> np.ndarray:
@@ -200,10 +210,14 @@ class LabelPlane:
         gradients = self.gradients[root]
         n = self.party.block.n_rows
         limit = label_he.ciphertext_limit(gradients.key_bits, n) // 8 + 3
-        payload = self.control.recv_he_full(root, limit)
-        masked = gradients.masked(payload, np.arange(n))
+        payload = self.control.recv_he_full(root, limit, label_he.progress_words(n, label_he.HE_CHUNK))
+        started = time.monotonic()
+        masked = gradients.masked(payload, np.arange(n),
+                                  lambda: self.control.send_progress(TAG_HE_FULL_MASKED, [root]))
         self.control.send_he_full_masked(root, label_he.pack_bytes(0, masked))
-        words = self.control.recv_he_full_decrypted(root, 2 * self.party.block.n_cols)
+        # the leader may first wait for another passive party's masked pass, about as long as this one's
+        work_s = 2 * (time.monotonic() - started)
+        words = self.control.recv_he_full_decrypted(root, 2 * self.party.block.n_cols, work_s)
         gradient = gradients.unmask(words)
         self.audit.record(root, AUDIT_HE_FULL_GRADIENT, gradient)
         return gradient

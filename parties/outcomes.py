@@ -58,7 +58,7 @@ def worse_than_start_warning(final: float, start: float, gamma: float) -> str:
 
 
 #: A verdict line of a rank that caught another one breaking the protocol (protocols/errors.py).
-_ACCUSATION = re.compile(r"^\[party (\d+)\] party (\d+) sent an invalid ")
+_ACCUSATION = re.compile(r"^\[party (\d+)\] (?:error: )?party (\d+) sent an invalid ")  # error: vfl align's
 #: Most bytes of a verdict file read back: one line, written by a rank of this job.
 _VERDICT_BYTES = 4096
 

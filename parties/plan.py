@@ -88,7 +88,9 @@ class JobPlan:
     @classmethod
     def from_json(cls, text: str) -> JobPlan:
         record = json.loads(text)
-        given = record.get("options", record)  # a plan written before "options" was kept: the flat one
+        given = record.get("options", record) if isinstance(record, dict) else None  # flat: an older plan
+        if not isinstance(given, dict):
+            raise ValueError("not a JSON object of a plan's options")
         fields = {k: v for k, v in given.items() if k in _OPTION_NAMES}
         fields.setdefault("standardize", "off")  # a run from before --standardize: its data as given
         options = RunConfig(**fields)

@@ -415,7 +415,8 @@ class AggregationNode:
                                     f"before (a duplicate or replay)")
         if rid >= self._finished[root].below + self.max_open:
             raise ProtocolViolation(source, "REQUEST", f"request id {rid} is more than {self.max_open} "
-                                    f"ahead of the oldest open one ({self._finished[root].below})")
+                                    f"ahead of the oldest open one ({self._finished[root].below}): more "
+                                    f"requests open at once than the job allows")
         indices = buffer[HEADER_WORDS:].view(np.int64)
         low, high = int(indices.min()), int(indices.max())
         if low < 0 or (n_rows is not None and high >= n_rows):
@@ -425,6 +426,11 @@ class AggregationNode:
         return Step([], Requested(root, rid, indices))
 
     # ---------------------------------------------------------------------------------------- queries
+
+    def finished(self, root: int, rid: int) -> bool:
+        """Whether this party is done with ``(root, rid)``: forwarded both sums (or, at the root, has
+        the result); a root cannot have its result before every party is."""
+        return rid in self._finished[root]
 
     def in_progress(self, root: int, rid: int) -> bool:
         """Whether this party still holds state for ``(root, rid)`` (not yet forwarded / completed)."""

@@ -67,10 +67,12 @@ failure raises :class:`~protocols.errors.ProtocolViolation` naming the sender.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import re
 import secrets
 import sys
+from collections.abc import Callable
 
 import gmpy2
 import numpy as np
@@ -100,6 +102,14 @@ MAX_KEY_BYTES = max(KEY_BITS)
 _CT_BYTES_PER_BIT = 0.3
 assert GRADIENT_BITS < RETURN_BITS - 1
 
+#: Most values one HEU call works on. HEU holds the GIL for a whole call (measured: a 3.2 s encryption
+#: of 20,000 values let no other thread of the process run meanwhile), so a party encrypting a full
+#: pass's ϑ_0 in one call sent no heartbeat for as long and its peers named it. Between chunks the
+#: party's heartbeat and communication threads run.
+HE_CHUNK = 2048
+#: Rows of one piece of the masked pass (multiplications, then sums, per piece): the GIL is free between
+#: pieces, and each sends a progress word in a full pass (:func:`progress_words`).
+MASK_ROWS = 128
 _WHAT_CT = "encrypted batch"
 _WHAT_KEY = "public key"
 _WHAT_REPLY = "decrypted gradient"
@@ -161,6 +171,14 @@ def min_batch(widest_passive_block: int) -> int:
     return max(MIN_BATCH, widest_passive_block + 1)
 
 
+def progress_words(values: int, piece: int) -> int:
+    """Most progress words a step of ``values`` in pieces of ``piece`` sends (one after each piece but
+    the last): ϑ_0's encryption (n values, :data:`HE_CHUNK`), a passive party's masked pass (n rows,
+    :data:`MASK_ROWS`). Each restarts the waiting party's deadline, so an honest party is not named for
+    a long full pass, and a hostile one stalls it by at most that many ``--peer-timeout``."""
+    return max(0, -(-values // piece) - 1)
+
+
 def ciphertext_limit(key_bits: int, count: int) -> int:
     """Most bytes ``count`` serialised ciphertexts of a ``key_bits`` key may take."""
     return int(count * key_bits * _CT_BYTES_PER_BIT) + 64
@@ -204,13 +222,24 @@ class LabelKey:
     def public_bytes(self) -> bytes:
         return self._kit.public_key().serialize()
 
-    def encrypt(self, thetas: np.ndarray) -> bytes:
-        """The serialised ciphertexts of ϑ in fixed point; ϑ outside ±2^VALUE_BITS is refused."""
+    def encrypt(self, thetas: np.ndarray, progress: Callable[[], None] | None = None) -> bytes:
+        """The serialised ciphertexts of ϑ in fixed point; ϑ outside ±2^VALUE_BITS is refused.
+        ``progress`` is called after each :data:`HE_CHUNK` values but the last (:func:`progress_words`)."""
         thetas = np.asarray(thetas, dtype=np.float64)
         if not np.all(np.abs(thetas) < 2.0**VALUE_BITS):  # NaN fails too
             raise OverflowError(f"ϑ left ±2^{VALUE_BITS}: the model diverged")
         encoded = np.rint(thetas * 2.0**THETA_BITS).astype(np.int64)
-        return self._encryptor.encrypt(self._kit.array(encoded, self._encoder)).serialize()
+        chunks = []
+        for i in range(0, max(encoded.size, 1), HE_CHUNK):  # the GIL is free between chunks
+            if chunks and progress is not None:
+                progress()
+            chunks.append(self._encryptor.encrypt(self._kit.array(encoded[i:i + HE_CHUNK], self._encoder)))
+        if len(chunks) == 1:
+            return chunks[0].serialize()
+        whole = chunks[0][[0] * encoded.size]  # a placeholder of the right size, filled chunk by chunk
+        for k, chunk in enumerate(chunks):
+            whole[k * HE_CHUNK:k * HE_CHUNK + chunk.size] = chunk
+        return whole.serialize()
 
     def decrypt_masked(self, source: int, payload: bytes, batch: int) -> np.ndarray:
         """(g_j + r_j) mod 2^RETURN_BITS of a passive party's reply, as two uint64 words per value
@@ -292,8 +321,9 @@ class BlockGradient:
         masks = [secrets.randbelow(n) for _ in range(count)]
         return masks, [r if r <= n // 2 else r - n for r in masks]
 
-    def masked(self, payload: bytes, rows: np.ndarray) -> bytes:
-        """[[X_Bᵀϑ + r]] for the batch ``rows`` from the encrypted ϑ's in ``payload``; keeps r."""
+    def masked(self, payload: bytes, rows: np.ndarray, progress: Callable[[], None] | None = None) -> bytes:
+        """[[X_Bᵀϑ + r]] for the batch ``rows`` from the encrypted ϑ's in ``payload``; keeps r.
+        ``progress`` is called after each piece of the work but the last (:func:`progress_words`)."""
         hnp, _ = _heu()
         b = rows.size
         if not 0 < len(payload) <= ciphertext_limit(self.key_bits, b):
@@ -305,13 +335,12 @@ class BlockGradient:
                                     f"not a ciphertext array ({_first_line(err)})") from None
         if cts.ndim != 1 or cts.size != b:
             raise ProtocolViolation(self.source, _WHAT_CT, f"{cts.size} ciphertexts for {b} rows")
-        if self._modulus is not None:
-            self._check_jacobi(cts)
         blk = self.block
         starts, ends = blk.indptr[rows], blk.indptr[rows + 1]
         nnz = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)]) \
             if b else np.zeros(0, np.int64)
         position = np.repeat(np.arange(b), ends - starts)  # which ciphertext each non-zero multiplies
+        pieces = [*np.concatenate([[0], np.cumsum(ends - starts)])[:-1][::MASK_ROWS].tolist(), nnz.size]
         columns = blk.indices[nnz]
         d = blk.n_cols
         # what honest ϑ's (|ϑ| < 2^VALUE_BITS) can make of each column: the check after unmasking
@@ -320,26 +349,46 @@ class BlockGradient:
         if np.any(self._bounds >= 2.0**(RETURN_BITS - 2)):
             raise ValueError(f"a column's gradient over {b} rows could leave the {RETURN_BITS}-bit return "
                              f"width: scale the features")
-        ev = self._evaluator
+        try:  # the library computes on the peer's ciphertexts: what it cannot do is the peer's fault
+            if self._modulus is not None:
+                self._check_jacobi(cts)
+            return self._masked_sums(cts, nnz, position, columns, pieces, progress)
+        except ProtocolViolation:
+            raise
+        except Exception as err:  # e.g. a ciphertext of another scheme: "std::get: wrong index for variant"
+            self._masks = self._bounds = None
+            raise ProtocolViolation(self.source, _WHAT_CT,
+                                    f"does not compute under its key ({_first_line(err)})") from None
+
+    def _masked_sums(self, cts, nnz: np.ndarray, position: np.ndarray, columns: np.ndarray, pieces: list[int],
+                     progress: Callable[[], None] | None) -> bytes:
+        """The serialised [[Σ_i x_ij ϑ_i + r_j]] per column j (:meth:`masked`'s arithmetic), in pieces of
+        :data:`MASK_ROWS` rows (``pieces``: where each starts in the non-zeros, then the end)."""
+        ev, d = self._evaluator, self.block.n_cols
         # one fresh encryption per column: an encrypted zero where the batch has no non-zero
         self._masks, encoded_masks = self.draw_masks(d)
         masks = self._encryptor.encrypt(self._kit.array(np.array(encoded_masks, dtype=object), self._big))
         if nnz.size == 0:
             return masks.serialize()
-        terms = cts[position.tolist()]
-        if self.feature_bits or np.any(self._encoded[nnz] != 1):
-            terms = ev.mul(terms, self._kit.array(self._encoded[nnz], self._encoder))
-        order = np.argsort(columns, kind="stable")
-        bounds = np.searchsorted(columns[order], np.arange(d + 1))
-        groups = [order[bounds[j]:bounds[j + 1]].tolist() for j in range(d)]
-        present = [j for j in range(d) if groups[j]]
-        sums = ev.batch_select_sum(terms, [groups[j] for j in present])
-        if len(present) < d:  # scatter the column sums into a d-vector of encrypted zeros
-            zero = self._encryptor.encrypt(self._kit.array(np.zeros(d, np.int64), self._encoder))
-            for k, j in enumerate(present):
-                zero[j] = sums[k]
-            sums = zero
-        return ev.add(sums, masks).serialize()
+        total = masks  # each piece adds its column sums: the GIL is free between pieces
+        for k, (lo, hi) in enumerate(itertools.pairwise(pieces)):
+            if k and progress is not None:
+                progress()
+            if lo == hi:
+                continue
+            chunk = slice(lo, hi)
+            terms = cts[position[chunk].tolist()]
+            factors = self._encoded[nnz[chunk]]
+            if self.feature_bits or np.any(factors != 1):
+                terms = ev.mul(terms, self._kit.array(factors, self._encoder))
+            order = np.argsort(columns[chunk], kind="stable")
+            present, starts = np.unique(columns[chunk][order], return_index=True)
+            sums = ev.batch_select_sum(terms, [g.tolist() for g in np.split(order, starts[1:])])
+            present = present.tolist()
+            added = ev.add(total[present], sums)
+            for i, j in enumerate(present):
+                total[j] = added[i]
+        return total.serialize()
 
     def _check_jacobi(self, cts) -> None:
         """Paillier: every ciphertext of the batch has Jacobi symbol +1 mod n, checked on JACOBI_PROBES

@@ -84,6 +84,7 @@ def test_validate_reads_no_file_and_returns_its_input(options):
     (dict(he_key_bits=1024), "--he-key-bits must be one of 2048, 3072, 4096 (got 1024)"),
     (dict(time_limit=0.0), "--time-limit must be positive (seconds)"),
     (dict(active=5), "--active must be between 1 and --parties=4 (got 5)"),
+    (dict(inflight=257), "--inflight must be between 1 and 256 (got 257)"),  # every party holds that many
 ])
 def test_bad_options_fail_in_one_line_without_reading_files(bad, message):
     options = RunConfig(**bad)

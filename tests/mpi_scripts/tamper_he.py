@@ -34,10 +34,10 @@ def main() -> None:
         gradients = runtime.label.gradients[0]
         honest, calls = gradients.masked, []
 
-        def forged(payload: bytes, rows: np.ndarray) -> bytes:
+        def forged(payload: bytes, rows: np.ndarray, progress=None) -> bytes:
             calls.append(1)
             if len(calls) < (1 if full else 2):
-                return honest(payload, rows)
+                return honest(payload, rows, progress)
             if scenario == "garbage":
                 return bytes(300)
             return payload  # the dominator's own ciphertexts: as many values as rows
