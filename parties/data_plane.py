@@ -130,7 +130,9 @@ class DataPlane:
         #: per rank: the worker queue of its (ϑ, i) stream (dominator r → worker r mod k)
         self._queue_of = [self.queues[self.active_ranks.index(r) % len(self.queues)]
                           if r in self.active_ranks else None for r in range(self.q)]
-        self._rng = np.random.default_rng([options.seed, self.rank])
+        #: this dominator's row sampler (not ``--epsilon``'s pass batches): its checkpoint keeps where it
+        #: stands, so a resumed lock-step run draws the rows the uninterrupted one would have
+        self.sampler = np.random.default_rng([options.seed, self.rank])
         self.peer_timeout = options.peer_timeout
         self.last_heard = np.zeros(self.q)
         self._stopping = threading.Event()
@@ -482,16 +484,6 @@ class DataPlane:
             self.results.pop(rid).put(step.event.result())
         return slot
 
-    @property
-    def sampler(self) -> np.random.Generator:
-        """This dominator's row sampler (without ``--epsilon``'s pass batches); a checkpoint keeps where
-        it stands, so a resumed lock-step run draws the rows the uninterrupted one would have."""
-        return self._rng
-
-    @sampler.setter
-    def sampler(self, rng: np.random.Generator) -> None:
-        self._rng = rng
-
     def dominate(self, n_steps: int, deadline: float | None = None) -> int:
         """Run ``n_steps`` dominated updates (Alg. 2/4/6) of ``batch_size`` rows each; returns how many
         were done.
@@ -507,7 +499,7 @@ class DataPlane:
         """
         party = self.party
         assert party.problem is not None and party.y is not None
-        rows = (self._rng.integers(0, party.block.n_rows, size=(n_steps, self.batch_size))
+        rows = (self.sampler.integers(0, party.block.n_rows, size=(n_steps, self.batch_size))
                 if self._batches is None else self._batches.take(n_steps))
         others = [r for r in range(self.q) if r != self.rank]
         pending: collections.deque[tuple[np.ndarray, queue.SimpleQueue[np.ndarray]]] = collections.deque()
