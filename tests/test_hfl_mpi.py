@@ -200,3 +200,26 @@ def test_uplink_decoding_rejects_a_body_that_does_not_match_its_layout() -> None
     restored = unpack_vectors(layout, packed)
     assert restored["c"].dtype == torch.float32
     torch.testing.assert_close(restored["x"], rows[0], rtol=0, atol=0)
+
+
+class _Announcing:
+    """A communicator whose peer sends only a frame header: what a receiver allocates comes after."""
+
+    def __init__(self, header: list[int]) -> None:
+        self.header, self.receives = header, 0
+
+    def Recv(self, buf, source: int, tag: int) -> None:  # mpi4py's name
+        self.receives += 1
+        if self.receives > 1:
+            raise AssertionError("the receiver went on to receive what the header announced")
+        buf[:] = self.header
+
+
+@pytest.mark.parametrize("header", [[2, 0, 2**40], [2, 2**31, 0], [2, -1, 0], [2, 0, 1 << 20]])
+def test_a_frame_announcing_more_than_the_job_needs_is_refused_before_allocation(header):
+    from parties.hfl.wire import MAX_META_BYTES, Kind, body_limit, recv_frame
+
+    comm = _Announcing(header)
+    with pytest.raises(WireError, match=r"rank 3 sent frame kind 2 .* at most"):
+        recv_frame(comm, 3, Kind.UPLINK, max_body=body_limit(dim=1000, vectors=4))
+    assert comm.receives == 1 and MAX_META_BYTES < 2**31

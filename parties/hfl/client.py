@@ -14,7 +14,7 @@ from horizontal.base import Downlink
 from horizontal.engine import ClientRound
 from parties.hfl.job import _Job
 from parties.hfl.round_context import StackBatches, draw_stack_uniforms
-from parties.hfl.wire import SERVER, Kind, encode_uplink, recv_frame, send_frame, unpack_vectors
+from parties.hfl.wire import SERVER, Kind, body_limit, encode_uplink, recv_frame, send_frame, unpack_vectors
 
 
 class ClientProcess:
@@ -27,11 +27,13 @@ class ClientProcess:
         self.store = store
         self.generators = [job.streams.compression[i] for i in self.shard.client_ids.tolist()]
         self.took_part_last_round = True   # nothing to catch up before round 0
+        #: the largest body the server can need to send it: the model and the hosted clients' state rows
+        self.max_body = body_limit(job.d, 4 * max(1, len(self.shard.client_ids)))
 
     def serve(self) -> None:
         comm = self.job.comm
         while True:
-            frame = recv_frame(comm, SERVER, (Kind.ROUND, Kind.EVAL, Kind.STOP))
+            frame = recv_frame(comm, SERVER, (Kind.ROUND, Kind.EVAL, Kind.STOP), max_body=self.max_body)
             if frame.kind == Kind.STOP:
                 return
             if frame.kind == Kind.EVAL:
@@ -61,7 +63,7 @@ class ClientProcess:
         send_frame(job.comm, SERVER, Kind.UPLINK,
                    {"clients": clients.tolist(), "draws": batches.draws, "loss": solver.mean_loss,
                     "messages": entries}, uplink)
-        reply_frame = recv_frame(job.comm, SERVER, Kind.REPLY)
+        reply_frame = recv_frame(job.comm, SERVER, Kind.REPLY, max_body=self.max_body)
         reply = unpack_vectors(reply_frame.meta.get("vectors", []), reply_frame.body)
         if reply:
             states = job.algorithm.client_finish(reply, states, cfg.fl)

@@ -34,7 +34,7 @@ from horizontal.models import TorchModel
 from parties.hfl.client_files import Shard
 from parties.hfl.config import HflConfig
 from parties.hfl.round_context import StackBatches
-from parties.hfl.wire import SERVER, Kind, WireError, recv_frame, send_frame
+from parties.hfl.wire import SERVER, Kind, WireError, body_limit, recv_frame, send_frame
 
 # --------------------------------------------------------------------------------------- messages
 
@@ -83,7 +83,7 @@ class _ProcessSimulation(CompositionalSimulation):
     def _all_reduce_inner(self, local: torch.Tensor) -> torch.Tensor:
         """This process's share of the exchange (its rows up, the mean down); its ledger counts its own."""
         sent = send_frame(self.comm, SERVER, Kind.INNER, None, _rows_body(local.to(FLOAT)))
-        frame = recv_frame(self.comm, SERVER, Kind.AVERAGE)
+        frame = recv_frame(self.comm, SERVER, Kind.AVERAGE, max_body=body_limit(self.problem.d_g, 1))
         self.ledger.inner_uplink_bits += 8 * sent
         self.ledger.inner_downlink_bits += local.shape[0] * 8 * frame.body.nbytes
         self.ledger.inner_exchanges += 1
@@ -91,7 +91,7 @@ class _ProcessSimulation(CompositionalSimulation):
 
     def _average_models(self, X: torch.Tensor) -> torch.Tensor:
         sent = send_frame(self.comm, SERVER, Kind.MODEL, None, _rows_body(X))
-        frame = recv_frame(self.comm, SERVER, Kind.AVERAGE)
+        frame = recv_frame(self.comm, SERVER, Kind.AVERAGE, max_body=body_limit(self.problem.dim, 1))
         self.ledger.model_uplink_bits += 8 * sent
         self.ledger.model_downlink_bits += X.shape[0] * 8 * frame.body.nbytes
         self.ledger.model_rounds += 1
@@ -164,7 +164,7 @@ class CompositionalServer:
         stacked = torch.empty((self.config.clients, width), dtype=dtype)
         received = 0
         for p, hosted in enumerate(self.hosts):
-            frame = recv_frame(self.comm, p + 1, kind)
+            frame = recv_frame(self.comm, p + 1, kind, max_body=body_limit(width, len(hosted)))
             stacked[hosted] = _read_rows(frame.body, len(hosted), width, dtype,
                                          f"client process rank {p + 1}'s {kind.name.lower()} rows")
             received += frame.body.nbytes
@@ -204,7 +204,7 @@ class CompositionalServer:
     def evaluate(self) -> dict[str, float]:
         rows, loss_sum, correct, summaries = 0, 0.0, 0, torch.empty((self.config.clients, 0), dtype=FLOAT)
         for p, hosted in enumerate(self.hosts):
-            meta = recv_frame(self.comm, p + 1, Kind.EVAL_RESULT).meta
+            meta = recv_frame(self.comm, p + 1, Kind.EVAL_RESULT, max_body=0).meta
             try:
                 part = torch.tensor(meta["summaries"], dtype=FLOAT)
                 if part.dim() != 2 or part.shape[0] != len(hosted) or not bool(torch.isfinite(part).all()):

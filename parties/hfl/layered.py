@@ -48,7 +48,7 @@ from horizontal.rounds import sample_clients
 from parties.config import ConfigError
 from parties.hfl.client_files import Shard
 from parties.hfl.config import HflConfig
-from parties.hfl.wire import SERVER, Kind, WireError, recv_frame, send_frame
+from parties.hfl.wire import SERVER, Kind, WireError, body_limit, recv_frame, send_frame
 
 MAX_INFO_KEYS = 16
 MAX_INFO_VALUES = 4096
@@ -136,10 +136,12 @@ class LayeredClientProcess:
         self.sizes = sizes
         self.template = template
         self.extras = ModelLayout.of(trainer.model).extras
+        #: the largest global state the server can send: every tensor of the model's state
+        self.max_body = body_limit(sum(t.numel() for t in template.values()), 1)
 
     def serve(self) -> None:
         while True:
-            frame = recv_frame(self.comm, SERVER, (Kind.ROUND, Kind.STOP))
+            frame = recv_frame(self.comm, SERVER, (Kind.ROUND, Kind.STOP), max_body=self.max_body)
             if frame.kind == Kind.STOP:
                 return
             self._round(frame.meta, frame.body)
@@ -193,6 +195,7 @@ class LayeredServerRank:
         self.hosts = [set(h) for h in hosts]       # hosts[p]: the clients of rank p + 1
         self.test = test
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self._state_size = sum(t.numel() for t in state.values())  # an uplink's bound: body_limit
         self.core = LayeredServer(method, state, layout.names, layout.shapes)
         self.extras_template = {n: state[n] for n in layout.extras}
         self.input_shape = tuple(model.input_shape)  # type: ignore[arg-type]
@@ -219,7 +222,8 @@ class LayeredServerRank:
         uploads: dict[int, Upload] = {}
         updates: dict[int, list[torch.Tensor]] = {}
         for rank, mine in participants:
-            frame = recv_frame(self.comm, rank, Kind.UPLINK)
+            frame = recv_frame(self.comm, rank, Kind.UPLINK,
+                               max_body=body_limit(self._state_size, 4 * len(mine)))
             try:
                 for k, upload, update in self._read_uplink(frame.meta, frame.body, mine):
                     uploads[k], updates[k] = upload, update

@@ -11,7 +11,7 @@ from horizontal import Message, VectorState
 from horizontal.base import Downlink, Uplink
 from horizontal.server import ClientReport, VectorServer
 from parties.hfl.job import _Job
-from parties.hfl.wire import Kind, WireError, decode_uplink, pack_vectors, recv_frame, send_frame
+from parties.hfl.wire import Kind, WireError, body_limit, decode_uplink, pack_vectors, recv_frame, send_frame
 
 
 class Server:
@@ -44,7 +44,7 @@ class Server:
             send_frame(comm, p + 1, Kind.EVAL, {"vectors": layout}, body)
         rows, sums = 0, {}
         for p in range(len(self.hosts)):
-            meta = recv_frame(comm, p + 1, Kind.EVAL_RESULT).meta
+            meta = recv_frame(comm, p + 1, Kind.EVAL_RESULT, max_body=0).meta
             rows += int(meta["rows"])
             for k, v in meta["sums"].items():
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -103,7 +103,8 @@ class ClientProcesses:
         payloads: dict[str, list[bytes] | None] = {}
         uplink_bits, loss_sum, draws = 0, 0.0, set()
         for rank, positions in participants:
-            frame = recv_frame(self.job.comm, rank, Kind.UPLINK)
+            frame = recv_frame(self.job.comm, rank, Kind.UPLINK,
+                               max_body=body_limit(self.job.d, 4 * len(positions)))  # its clients' messages
             if frame.meta["clients"] != clients[positions].tolist():
                 raise WireError(f"rank {rank} answered for clients {frame.meta['clients']}, expected "
                                 f"{clients[positions].tolist()}")

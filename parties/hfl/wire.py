@@ -58,6 +58,17 @@ class WireError(RuntimeError):
     """A frame that does not follow the protocol (wrong kind, inconsistent lengths)."""
 
 
+#: frame metadata is small JSON (client ids, layouts, sums): a megabyte holds 100,000 ids
+MAX_META_BYTES = 1 << 20
+
+
+def body_limit(dim: int, vectors: int) -> int:
+    """The largest body a frame of ``vectors`` vectors of ``dim`` numbers can need: float64 values, and
+    for a compressed message at worst an index beside each value, plus 64 KiB of payload headers. The
+    receiver passes it to :func:`recv_frame`, which refuses a larger announcement before allocating."""
+    return max(vectors, 0) * max(dim, 0) * 16 + (1 << 16)
+
+
 @dataclass(frozen=True)
 class Frame:
     kind: Kind
@@ -80,15 +91,19 @@ def send_frame(comm: Any, dest: int, kind: Kind, meta: Mapping[str, Any] | None 
     return body_nbytes
 
 
-def recv_frame(comm: Any, source: int, expect: Kind | Sequence[Kind]) -> Frame:
-    """Receive the next frame from ``source``; raise :class:`WireError` if its kind is not expected."""
+def recv_frame(comm: Any, source: int, expect: Kind | Sequence[Kind], *, max_body: int) -> Frame:
+    """Receive the next frame from ``source``; raise :class:`WireError` if its kind is not expected or
+    it announces more metadata than :data:`MAX_META_BYTES` or a body over ``max_body`` bytes (what the
+    receiver's job can need, :func:`body_limit`): nothing is allocated for a frame before that check."""
     header = np.empty(3, dtype=np.int64)
     comm.Recv(header, source=source, tag=TAG)
     kind_value, meta_nbytes, body_nbytes = (int(v) for v in header)
     expected = (expect,) if isinstance(expect, Kind) else tuple(expect)
-    if kind_value not in {int(k) for k in expected} or meta_nbytes < 0 or body_nbytes < 0:
+    if kind_value not in {int(k) for k in expected} or not 0 <= meta_nbytes <= MAX_META_BYTES \
+            or not 0 <= body_nbytes <= max_body:
         raise WireError(f"rank {source} sent frame kind {kind_value} (meta {meta_nbytes} B, body "
-                        f"{body_nbytes} B); expected {' or '.join(k.name for k in expected)}")
+                        f"{body_nbytes} B); expected {' or '.join(k.name for k in expected)} with at most "
+                        f"{MAX_META_BYTES} B of meta and {max_body} B of body")
     meta: dict[str, Any] = {}
     if meta_nbytes:
         raw = np.empty(meta_nbytes, dtype=np.uint8)
