@@ -219,25 +219,31 @@ class LabelKey:
         Refuses a reply of ``batch`` or more values: decrypting it would let its sender solve the
         batch's ϑ from its gradient (module doc).
         """
+        values = self.decrypt(source, payload, batch - 1, f"a batch of {batch}",
+                              "B must exceed the block's columns, or ϑ could be solved for")
+        canonical = [int(v) % self._modulus for v in values] if self._modulus else [int(v) for v in values]
+        return _to_words([v % (1 << RETURN_BITS) for v in canonical])
+
+
+    def decrypt(self, source: int, payload: bytes, most: int, what: str, why: str) -> list:
+        """The plaintexts of a passive party's serialised ciphertexts (OU: in (−p/2, p/2]), at most
+        ``most`` of them, for ``what`` (``why`` says why no more)."""
         hnp, _ = _heu()
-        if not 0 < len(payload) <= ciphertext_limit(self.key_bits, batch):
+        if not 0 < len(payload) <= ciphertext_limit(self.key_bits, most):
             raise ProtocolViolation(source, "masked gradient", f"{len(payload)} bytes is not a serialised "
-                                    f"gradient of fewer than {batch} ciphertexts")
+                                    f"gradient of at most {most} ciphertexts")
         try:
             cts = hnp.CiphertextArray.load_from(payload)
         except Exception as err:
             raise ProtocolViolation(source, "masked gradient",
                                     f"not a ciphertext array ({_first_line(err)})") from None
-        if cts.ndim != 1 or not 0 < cts.size < batch:
-            raise ProtocolViolation(source, "masked gradient", f"{cts.size} values for a batch of {batch}: "
-                                    f"B must exceed the block's columns, or ϑ could be solved for")
+        if cts.ndim != 1 or not 0 < cts.size <= most:
+            raise ProtocolViolation(source, "masked gradient", f"{cts.size} values for {what}: {why}")
         try:
-            values = self._decryptor.decrypt(cts).to_numpy(self._big).ravel()
+            return self._decryptor.decrypt(cts).to_numpy(self._big).ravel()
         except Exception as err:
             raise ProtocolViolation(source, "masked gradient",
                                     f"does not decrypt ({_first_line(err)})") from None
-        canonical = [int(v) % self._modulus for v in values] if self._modulus else [int(v) for v in values]
-        return _to_words([v % (1 << RETURN_BITS) for v in canonical])
 
 
 class BlockGradient:
@@ -294,6 +300,15 @@ class BlockGradient:
 
     def masked(self, payload: bytes, rows: np.ndarray) -> bytes:
         """[[X_Bᵀϑ + r]] for the batch ``rows`` from the encrypted ϑ's in ``payload``; keeps r."""
+        sums = self.column_sums(payload, rows)
+        # one fresh encryption per column: an encrypted zero where the batch has no non-zero
+        self._masks, encoded_masks = self.draw_masks(self.block.n_cols)
+        masks = self._encryptor.encrypt(self._kit.array(np.array(encoded_masks, dtype=object), self._big))
+        return masks.serialize() if sums is None else self._evaluator.add(sums, masks).serialize()
+
+    def column_sums(self, payload: bytes, rows: np.ndarray):
+        """[[X_Bᵀϑ]] (d_l ciphertexts, None when the batch's rows are all zero in this block) from the
+        encrypted ϑ's in ``payload``, every field checked; sets the bounds :meth:`unmask` checks."""
         hnp, _ = _heu()
         b = rows.size
         if not 0 < len(payload) <= ciphertext_limit(self.key_bits, b):
@@ -321,11 +336,8 @@ class BlockGradient:
             raise ValueError(f"a column's gradient over {b} rows could leave the {RETURN_BITS}-bit return "
                              f"width: scale the features")
         ev = self._evaluator
-        # one fresh encryption per column: an encrypted zero where the batch has no non-zero
-        self._masks, encoded_masks = self.draw_masks(d)
-        masks = self._encryptor.encrypt(self._kit.array(np.array(encoded_masks, dtype=object), self._big))
         if nnz.size == 0:
-            return masks.serialize()
+            return None
         terms = cts[position.tolist()]
         if self.feature_bits or np.any(self._encoded[nnz] != 1):
             terms = ev.mul(terms, self._kit.array(self._encoded[nnz], self._encoder))
@@ -339,7 +351,7 @@ class BlockGradient:
             for k, j in enumerate(present):
                 zero[j] = sums[k]
             sums = zero
-        return ev.add(sums, masks).serialize()
+        return sums
 
     def _check_jacobi(self, cts) -> None:
         """Paillier: every ciphertext of the batch has Jacobi symbol +1 mod n, checked on JACOBI_PROBES
