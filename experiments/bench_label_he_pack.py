@@ -95,6 +95,7 @@ def write(out: Path, meta: dict, runs: list[dict]) -> None:
             ys = [r[key] * (100 if key == "test_accuracy" else 1) for r in rs]
             ax.scatter([x] * len(ys), ys, color=COLOURS[kind], label=kind)
         ax.set_xticks(range(len(batches)), [f"B = {b}" for b in batches])
+        ax.set_xlabel("mini-batch size")
         ax.set_ylabel(label)
     figure_legend(fig)
     save(fig, out / "label_he_pack.png")

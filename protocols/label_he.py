@@ -59,6 +59,9 @@ default: HEU draws its primes and randomness for 112-bit security, NIST SP 800-5
 Paillier (``--he-scheme paillier``) is the mode for a dominator that may not follow the protocol
 (25-30x slower a batch).
 
+``--he-pack`` (OU only) sends the block gradient k masked values to a plaintext instead of one:
+protocols/label_he_pack.py, built on :meth:`BlockGradient.column_sums` and :meth:`LabelKey.decrypt`.
+
 Every buffer another party sends is checked here before the library parses it: exact header, lengths
 within the bounds the key size allows, a ciphertext count equal to what the protocol produces; a
 failure raises :class:`~protocols.errors.ProtocolViolation` naming the sender.
