@@ -4,6 +4,8 @@ trains to the same model packed as unpacked (protocols/label_he_pack.py)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -186,3 +188,15 @@ def test_the_pack_benchmark_tables_every_job_with_its_load(tmp_path):
     assert "CPU x2; load average 1.5–2.5" in table
     assert (tmp_path / "results.csv").read_text().count("\n") == 13
     assert (tmp_path / "label_he_pack.png").stat().st_size > 0
+
+
+@pytest.mark.mpi
+def test_a_packed_run_resumes_packed(tmp_path):
+    """--he-pack is part of the run's plan: --resume keeps it without being told."""
+    args = ["-n", "3", "-m", "1", "--algorithm", "sgd", "--mode", "sync", "-B", "32", "--label-privacy", "he",
+            *CANCER]
+    train(tmp_path, *args, "--epochs", "0.5", "--he-pack")
+    train(tmp_path, "--resume", "--epochs", "1")
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["epochs"] == 1.0 and result["outcome"] == "budget"
+    assert json.loads((tmp_path / "config.json").read_text())["he_pack"] is True
