@@ -234,6 +234,10 @@ class RunConfig:
                                           + ", ".join(map(str, HE_KEY_BITS)) + " (got {value})"),
                               help="modulus size of --label-privacy he "
                                    "(2048: 112-bit security, 3072: 128-bit)")
+    he_pack: bool = option(False, "--he-pack",
+                           help="--label-privacy he with ou: 4 masked gradient values per decryption "
+                                "(2048-bit keys), for a dominator that follows the protocol; refused with "
+                                "paillier (docs/label-privacy.md, \"Packed decryption\")")
     epsilon: float | None = option(
         None, "--epsilon",
         help="ε of --label-privacy dp (randomized response), or of he: Gaussian noise on every ϑ before "
@@ -403,6 +407,8 @@ def _check_label_privacy(c: RunConfig) -> None:
         raise ConfigError("--epsilon needs --label-privacy dp or he")
     if c.label_privacy == "he":
         _check_he(c)
+    elif c.he_pack:
+        raise ConfigError("--he-pack packs --label-privacy he's decryptions: it needs --label-privacy he")
 
 
 def _check_he(c: RunConfig) -> None:
@@ -418,6 +424,10 @@ def _check_he(c: RunConfig) -> None:
                           "away ϑ when B does not exceed its block's columns (B = 1: ϑ = g_j / x_ij)")
     if c.updates == "lazy":
         raise ConfigError("--label-privacy he uses the eager kernels: drop --updates lazy")
+    if c.he_pack and c.he_scheme != "ou":
+        raise ConfigError("--he-pack is for --he-scheme ou: Paillier's masks fill its whole plaintext to "
+                          "hide the features from a dominator that encrypts what it likes, leaving no "
+                          "room for a second value")
     if c.epsilon is None:
         return
     if not 0 < c.epsilon < float("inf"):

@@ -29,7 +29,7 @@ from parties.messages import (
     TAG_HE_FULL_MASKED,
     TAG_HE_MASKED,
 )
-from protocols import label_he
+from protocols import label_he, label_he_pack
 from protocols.errors import ProtocolViolation
 
 #: Longest a worker waiting for a decryption sleeps before it looks at its deadline again (seconds).
@@ -75,7 +75,8 @@ class LabelPlane:
     """
 
     def __init__(self, party, control: ControlPlane, audit: AuditLog, *, active_ranks: list[int],
-                 batch_size: int, scheme: str, key_bits: int, stop: Callable[[str, str], None]) -> None:
+                 batch_size: int, scheme: str, key_bits: int, stop: Callable[[str, str], None],
+                 pack: bool = False) -> None:
         self.party = party
         self.rank, self.q = control.rank, control.size
         self.control = control
@@ -87,6 +88,8 @@ class LabelPlane:
         self.noise_std = 0.0
         self.batches: PassBatches | None = None
         self.key = label_he.LabelKey(scheme, key_bits) if party.active else None
+        #: --he-pack: the batches' gradients go k values a decryption (the snapshot's full pass does not)
+        self.layout = label_he_pack.layout(batch_size, key_bits) if pack else None
         self.gradients: dict[int, label_he.BlockGradient] = {}
         #: a passive party's decrypted answers, per dominator (put there by the communication thread)
         self.replies: dict[int, queue.SimpleQueue[np.ndarray]] = {r: queue.SimpleQueue()
@@ -96,7 +99,10 @@ class LabelPlane:
         for root in active_ranks:
             mine = self.key.public_bytes() if self.rank == root and self.key is not None else None
             key = control.broadcast_public_key(root, mine)
-            if not party.active:
+            if not party.active and pack:
+                self.gradients[root] = label_he_pack.PackedBlockGradient(root, key, block=party.block,
+                                                                         batch=batch_size, key_bits=key_bits)
+            elif not party.active:
                 self.gradients[root] = label_he.BlockGradient(root, key, block=party.block, scheme=scheme,
                                                               key_bits=key_bits)
         #: the data plane's largest message: one encrypted batch
@@ -144,7 +150,10 @@ class LabelPlane:
         if seq != expected or seq >= sent:
             raise ProtocolViolation(source, "masked gradient", f"for batch #{seq} where #{expected} was "
                                     f"expected ({sent} sent)")
-        words = self.key.decrypt_masked(source, payload, self.batch_size)
+        if self.layout is None:
+            words = self.key.decrypt_masked(source, payload, self.batch_size)
+        else:
+            words = label_he_pack.decrypt_packed(self.key, source, payload, self.batch_size, self.layout)
         with self._answered_cond:
             self._answered[source] = expected + 1
             self._answered_cond.notify_all()
@@ -166,11 +175,13 @@ class LabelPlane:
         """Passive party: for dominator ``source``'s encrypted batch ``seq``, its masked encrypted block
         gradient to the dominator, the decryption back, the mask off (a worker thread)."""
         gradients = self.gradients[source]
-        transport.send(source, label_he.pack_bytes(seq, gradients.masked(payload, rows)), TAG_HE_MASKED)
+        packed = isinstance(gradients, label_he_pack.PackedBlockGradient)
+        masked = gradients.masked_packed(payload, rows) if packed else gradients.masked(payload, rows)
+        transport.send(source, label_he.pack_bytes(seq, masked), TAG_HE_MASKED)
         reply = self._reply(source, seq)
         if reply.size < 1 or int(reply[0]) != seq:
             raise ProtocolViolation(source, "decrypted gradient", f"is not the answer for batch #{seq}")
-        gradient = gradients.unmask(reply[1:])
+        gradient = gradients.unmask_packed(reply[1:]) if packed else gradients.unmask(reply[1:])
         self.audit.record(source, AUDIT_HE_GRADIENT, gradient)
         return gradient
 

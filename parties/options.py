@@ -49,6 +49,8 @@ class RuntimeOptions:
     label_privacy: str = "none"
     he_scheme: str = "ou"
     he_key_bits: int = 2048
+    #: --he-pack: several masked gradient values per OU decryption (protocols/label_he_pack.py)
+    he_pack: bool = False
     #: --label-privacy he --epsilon: σ of the noise on every ϑ (one label moves ϑ by 1)
     noise_multiplier: float | None = None
 
@@ -73,4 +75,4 @@ class RuntimeOptions:
             peer_timeout=config.peer_timeout, link_delay=config.link_delay_ms / 1e3,
             link_jitter=config.link_jitter_ms / 1e3, keys=keys, allow_two_parties=config.allow_two_parties,
             audit=config.audit, label_privacy=config.label_privacy, he_scheme=config.he_scheme,
-            he_key_bits=config.he_key_bits, noise_multiplier=config.noise_multiplier)
+            he_key_bits=config.he_key_bits, he_pack=config.he_pack, noise_multiplier=config.noise_multiplier)

@@ -137,7 +137,8 @@ class PartyRuntime:
         if self.he:
             self.label = LabelPlane(party, self.control, self.audit, active_ranks=self.active_ranks,
                                     batch_size=options.batch_size, scheme=options.he_scheme,
-                                    key_bits=options.he_key_bits, stop=partial(stop_job, comm, self.rank))
+                                    key_bits=options.he_key_bits, pack=options.he_pack,
+                                    stop=partial(stop_job, comm, self.rank))
             if options.noise_multiplier:
                 self.label.setup_noise(options.noise_multiplier, options.seed)
         self.plane = DataPlane(comm, party, options, tree_pairs=pairs, control=self.control,

@@ -59,6 +59,9 @@ default: HEU draws its primes and randomness for 112-bit security, NIST SP 800-5
 Paillier (``--he-scheme paillier``) is the mode for a dominator that may not follow the protocol
 (25-30x slower a batch).
 
+``--he-pack`` (OU only) sends the block gradient k masked values to a plaintext instead of one:
+protocols/label_he_pack.py, built on :meth:`BlockGradient.column_sums` and :meth:`LabelKey.decrypt`.
+
 Every buffer another party sends is checked here before the library parses it: exact header, lengths
 within the bounds the key size allows, a ciphertext count equal to what the protocol produces; a
 failure raises :class:`~protocols.errors.ProtocolViolation` naming the sender.
@@ -248,25 +251,31 @@ class LabelKey:
         Refuses a reply of ``batch`` or more values: decrypting it would let its sender solve the
         batch's ϑ from its gradient (module doc).
         """
+        values = self.decrypt(source, payload, batch - 1, f"a batch of {batch}",
+                              "B must exceed the block's columns, or ϑ could be solved for")
+        canonical = [int(v) % self._modulus for v in values] if self._modulus else [int(v) for v in values]
+        return _to_words([v % (1 << RETURN_BITS) for v in canonical])
+
+
+    def decrypt(self, source: int, payload: bytes, most: int, what: str, why: str) -> list:
+        """The plaintexts of a passive party's serialised ciphertexts (OU: in (−p/2, p/2]), at most
+        ``most`` of them, for ``what`` (``why`` says why no more)."""
         hnp, _ = _heu()
-        if not 0 < len(payload) <= ciphertext_limit(self.key_bits, batch):
+        if not 0 < len(payload) <= ciphertext_limit(self.key_bits, most):
             raise ProtocolViolation(source, "masked gradient", f"{len(payload)} bytes is not a serialised "
-                                    f"gradient of fewer than {batch} ciphertexts")
+                                    f"gradient of at most {most} ciphertexts")
         try:
             cts = hnp.CiphertextArray.load_from(payload)
         except Exception as err:
             raise ProtocolViolation(source, "masked gradient",
                                     f"not a ciphertext array ({_first_line(err)})") from None
-        if cts.ndim != 1 or not 0 < cts.size < batch:
-            raise ProtocolViolation(source, "masked gradient", f"{cts.size} values for a batch of {batch}: "
-                                    f"B must exceed the block's columns, or ϑ could be solved for")
+        if cts.ndim != 1 or not 0 < cts.size <= most:
+            raise ProtocolViolation(source, "masked gradient", f"{cts.size} values for {what}: {why}")
         try:
-            values = self._decryptor.decrypt(cts).to_numpy(self._big).ravel()
+            return self._decryptor.decrypt(cts).to_numpy(self._big).ravel()
         except Exception as err:
             raise ProtocolViolation(source, "masked gradient",
                                     f"does not decrypt ({_first_line(err)})") from None
-        canonical = [int(v) % self._modulus for v in values] if self._modulus else [int(v) for v in values]
-        return _to_words([v % (1 << RETURN_BITS) for v in canonical])
 
 
 class BlockGradient:
@@ -324,6 +333,16 @@ class BlockGradient:
     def masked(self, payload: bytes, rows: np.ndarray, progress: Callable[[], None] | None = None) -> bytes:
         """[[X_Bᵀϑ + r]] for the batch ``rows`` from the encrypted ϑ's in ``payload``; keeps r.
         ``progress`` is called after each piece of the work but the last (:func:`progress_words`)."""
+        sums = self.column_sums(payload, rows, progress)
+        # one fresh encryption per column: an encrypted zero where the batch has no non-zero
+        self._masks, encoded_masks = self.draw_masks(self.block.n_cols)
+        masks = self._encryptor.encrypt(self._kit.array(np.array(encoded_masks, dtype=object), self._big))
+        return masks.serialize() if sums is None else self._evaluator.add(sums, masks).serialize()
+
+    def column_sums(self, payload: bytes, rows: np.ndarray, progress: Callable[[], None] | None = None):
+        """[[X_Bᵀϑ]] (d_l ciphertexts, None when the batch's rows are all zero in this block) from the
+        encrypted ϑ's in ``payload``, every field checked; sets the bounds :meth:`unmask` checks.
+        ``progress`` is called after each piece of the work but the last (:func:`progress_words`)."""
         hnp, _ = _heu()
         b = rows.size
         if not 0 < len(payload) <= ciphertext_limit(self.key_bits, b):
@@ -352,7 +371,7 @@ class BlockGradient:
         try:  # the library computes on the peer's ciphertexts: what it cannot do is the peer's fault
             if self._modulus is not None:
                 self._check_jacobi(cts)
-            return self._masked_sums(cts, nnz, position, columns, pieces, progress)
+            return self._column_sums(cts, nnz, position, columns, pieces, progress)
         except ProtocolViolation:
             raise
         except Exception as err:  # e.g. a ciphertext of another scheme: "std::get: wrong index for variant"
@@ -360,17 +379,15 @@ class BlockGradient:
             raise ProtocolViolation(self.source, _WHAT_CT,
                                     f"does not compute under its key ({_first_line(err)})") from None
 
-    def _masked_sums(self, cts, nnz: np.ndarray, position: np.ndarray, columns: np.ndarray, pieces: list[int],
-                     progress: Callable[[], None] | None) -> bytes:
-        """The serialised [[Σ_i x_ij ϑ_i + r_j]] per column j (:meth:`masked`'s arithmetic), in pieces of
-        :data:`MASK_ROWS` rows (``pieces``: where each starts in the non-zeros, then the end)."""
+    def _column_sums(self, cts, nnz: np.ndarray, position: np.ndarray, columns: np.ndarray, pieces: list[int],
+                     progress: Callable[[], None] | None):
+        """[[Σ_i x_ij ϑ_i]] per column j (:meth:`column_sums`'s arithmetic), None without a non-zero, in
+        pieces of :data:`MASK_ROWS` rows (``pieces``: where each starts in the non-zeros, then the end),
+        so that the GIL is free between pieces. Encrypted zeros fill the columns the first piece lacks."""
         ev, d = self._evaluator, self.block.n_cols
-        # one fresh encryption per column: an encrypted zero where the batch has no non-zero
-        self._masks, encoded_masks = self.draw_masks(d)
-        masks = self._encryptor.encrypt(self._kit.array(np.array(encoded_masks, dtype=object), self._big))
         if nnz.size == 0:
-            return masks.serialize()
-        total = masks  # each piece adds its column sums: the GIL is free between pieces
+            return None
+        total = None
         for k, (lo, hi) in enumerate(itertools.pairwise(pieces)):
             if k and progress is not None:
                 progress()
@@ -385,10 +402,17 @@ class BlockGradient:
             present, starts = np.unique(columns[chunk][order], return_index=True)
             sums = ev.batch_select_sum(terms, [g.tolist() for g in np.split(order, starts[1:])])
             present = present.tolist()
-            added = ev.add(total[present], sums)
+            if total is None and len(present) == d:
+                total = sums
+                continue
+            if total is None:
+                total = self._encryptor.encrypt(self._kit.array(np.zeros(d, np.int64), self._encoder))
+                added = sums
+            else:
+                added = ev.add(total[present], sums)
             for i, j in enumerate(present):
                 total[j] = added[i]
-        return total.serialize()
+        return total
 
     def _check_jacobi(self, cts) -> None:
         """Paillier: every ciphertext of the batch has Jacobi symbol +1 mod n, checked on JACOBI_PROBES

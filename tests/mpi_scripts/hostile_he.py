@@ -11,7 +11,9 @@ protocol hides. ``argv``: the scenario, then a folder for what the parties recor
   so that in the decrypted sum Σ_i 2^(212+48i)·x_ij each feature would have its own 48 bits above the
   first version's 208-bit mask. It keeps each full decryption in ``spy.npz`` (:func:`read_features`
   decodes them). Under OU the passive parties must end the job naming party 0; under Paillier the job
-  runs and the decryptions say nothing of the features.
+  runs and the decryptions say nothing of the features. ``dominator ou pack``: the same under
+  ``--he-pack``, the dominator returning each packed plaintext whole; the passive parties' slot check
+  must end the job naming party 0.
 * ``jacobi``: Paillier; the dominator multiplies one ciphertext of its second batch by t^n with Jacobi
   symbol (t | n) = −1 (:func:`flip_jacobi`): same plaintext, but the replies would show the parity of
   the features of that row. The passive parties must end the job naming party 0.
@@ -26,6 +28,7 @@ import gmpy2
 import numpy as np
 from mpi4py import MPI
 
+from parties import label_plane
 from parties.runtime import PartyRuntime, PartyState, RuntimeOptions
 from protocols import label_he
 from vertical.algorithms.vfb2 import Block, get_rule
@@ -96,11 +99,11 @@ def main() -> None:
         sigma = None if epsilon is None else gaussian_noise_multiplier(epsilon, 1e-5, 1)
         me, scheme, steps = party(rank, ATTACK_ROWS), "ou", ATTACK_ROWS // BATCH
     else:
-        sigma, scheme = None, "ou" if sys.argv[3:] == ["ou"] else "paillier"
+        sigma, scheme = None, "ou" if sys.argv[3:4] == ["ou"] else "paillier"
         me, steps = party(rank, SPY_ROWS), SPY_STEPS
     runtime = PartyRuntime(comm, me, RuntimeOptions(active_ranks=(0,), threads=1, seed=0, batch_size=BATCH,
                                                     label_privacy="he", he_scheme=scheme,
-                                                    noise_multiplier=sigma))
+                                                    he_pack=sys.argv[4:] == ["pack"], noise_multiplier=sigma))
     if scenario == "passive" and rank == 1:
         read = _passive_attack(runtime)
     if scenario != "passive" and rank == 0:
@@ -196,7 +199,15 @@ def _dominator_attack(runtime: PartyRuntime, scenario: str) -> dict:
         read[source] += [int(v) for v in values]  # signed, as HEU decrypts: what read_features takes
         return honest_decrypt(source, payload, batch)
 
+    def decrypt_packed(key, source: int, payload: bytes, batch: int, lay) -> np.ndarray:
+        """--he-pack: every packed plaintext returned whole, in range or not (no honest check)."""
+        values = key._decryptor.decrypt(hnp.CiphertextArray.load_from(payload)).to_numpy(key._big).ravel()
+        read[source] += [int(v) for v in values]
+        return np.array([(int(v) >> (64 * w)) & ((1 << 64) - 1) for v in values for w in range(lay.words)],
+                        dtype=np.uint64)
+
     key.encrypt, key.decrypt_masked = encrypt, decrypt_masked
+    label_plane.label_he_pack.decrypt_packed = decrypt_packed
     runtime.label.encrypt_batch = encrypt_batch
     return read
 
