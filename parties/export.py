@@ -175,8 +175,10 @@ def _read_manifest(path: Path, rank: int) -> dict:
     except (ValueError, RecursionError):
         raise ValueError(f"{path} is damaged (not JSON)") from None
     ok = (isinstance(m, dict) and m.get("format") == FORMAT and m.get("version") == VERSION
-          and _count(m.get("parties"), 1, 2**16) and m.get("party") == rank and rank < m["parties"]
-          and m.get("problem") in LINKS and m.get("link") == LINKS.get(m.get("problem"))
+          and _count(m.get("parties"), 1, 2**16) and _count(m.get("party"), 0, 2**16)
+          and m["party"] == rank < m["parties"]
+          and isinstance(m.get("problem"), str) and m["problem"] in LINKS
+          and m.get("link") == LINKS[m["problem"]]
           and isinstance(m.get("id_column"), str) and _count(m.get("n_features"), 1, MAX_FEATURES)
           and m.get("standardize") in ("off", "on", "center")
           and isinstance(m.get("epochs"), int | float) and not isinstance(m.get("epochs"), bool)

@@ -93,7 +93,7 @@ def test_a_part_round_trips_and_scores_raw_columns(tmp_path):
     np.testing.assert_allclose(back.partial_scores(X), [1.0 - 2.0 + 0.5, 1.0])
 
 
-@pytest.mark.parametrize("damage", ["digest", "manifest", "shape", "nan", "pickle", "big"])
+@pytest.mark.parametrize("damage", ["digest", "manifest", "unhashable", "shape", "nan", "pickle", "big"])
 def test_a_damaged_part_is_refused_in_one_line(tmp_path, damage):
     json_path, npz_path = write_part(_part(), tmp_path)
     manifest = json.loads(json_path.read_text())
@@ -101,6 +101,8 @@ def test_a_damaged_part_is_refused_in_one_line(tmp_path, damage):
         np.savez(npz_path, w=np.ones(3), shift=np.zeros(3), scale=np.ones(3))
     elif damage == "manifest":
         manifest["n_features"] = -1
+    elif damage == "unhashable":
+        manifest["problem"] = ["logistic"]
     elif damage == "big":
         json_path.write_text(" " * 20000 + "{}")
     else:
@@ -109,7 +111,7 @@ def test_a_damaged_part_is_refused_in_one_line(tmp_path, damage):
                    "pickle": {"w": np.array([1, "x", None], dtype=object)}}[damage]
         np.savez(npz_path, **arrays)
     if damage != "big":
-        if damage not in ("digest", "manifest"):  # the digest matches: the arrays' own checks refuse
+        if damage not in ("digest", "manifest", "unhashable"):  # the digest matches: the arrays' checks
             manifest["arrays_sha256"] = hashlib.sha256(npz_path.read_bytes()).hexdigest()
         json_path.write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=r"party-0\.export"):
@@ -121,3 +123,29 @@ def test_parts_of_different_models_do_not_combine(tmp_path):
     write_part(_part(1, epochs=4.0), tmp_path)
     with pytest.raises(ValueError, match="another model"):
         read_parts(tmp_path)
+
+
+@pytest.mark.mpi
+def test_a_csv_party_exports_its_header_names(tmp_path):
+    """A run on ``party-<p>.csv`` files (``vfl align``'s form): each part names its columns as its own
+    CSV header does, and holds no other party's names."""
+    rng = np.random.default_rng(0)
+    X, ids = rng.normal(size=(60, 6)), np.arange(100, 160)
+    y = (X @ [1.0, -1.0, 0.5, 0.0, 2.0, -0.5] > 0).astype(int)
+    names = [["age", "income"], ["debt", "tenure"], ["visits", "spend"]]
+    folder = tmp_path / "csv"
+    folder.mkdir()
+    for p, cols in enumerate(names):
+        header = ["id", *(["label"] if p == 0 else []), *cols]
+        rows = [",".join([str(ids[i]), *([str(y[i])] if p == 0 else []),
+                          *(repr(float(v)) for v in X[i, 2 * p:2 * p + 2])]) for i in range(60)]
+        (folder / f"party-{p}.csv").write_text(",".join(header) + "\n" + "\n".join(rows) + "\n")
+    run = tmp_path / "run"
+    ok("train", "--out", str(run), "--no-progress", "-n", "3", "-m", "1", "--party-files", str(folder),
+       "--epochs", "1", "--problem", "logistic", "--lam", "0.1", "--gamma", "0.05", timeout=240)
+    for p in range(3):
+        ok("export", str(run), "--party", str(p), "--out", str(tmp_path / "parts"))
+        part = read_part(tmp_path / "parts", p)
+        manifest = json.loads(part_paths(tmp_path / "parts", p)[0].read_text())
+        assert part.feature_names == tuple(names[p]) and manifest["schema"] == "names"
+        assert manifest["standardize"] == "on" and part.scale is not None and np.any(part.w != 0)
