@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
-from parties.checkpoint import atomic_write, complete_epochs, load_checkpoint, npz_member_shape
+from parties.checkpoint import atomic_write, complete_epochs, load_checkpoint
 
 FORMAT = "vfl-party-export"
 VERSION = 1
@@ -39,6 +39,8 @@ ID_COLUMN = "id"
 MANIFEST_MAX_BYTES = 16384
 #: more columns than any party file holds (int32 indices): a larger width is damage
 MAX_FEATURES = 2**31 - 1
+#: the longest column name a part holds (a header announcing wider strings would allocate n times it)
+MAX_NAME_CHARS = 256
 #: the output link of each problem: the score w·x is turned into the prediction by it
 LINKS = {"logistic": "sigmoid", "nonconvex-logistic": "sigmoid", "least-squares": "identity",
          "robust": "identity"}
@@ -124,16 +126,34 @@ def write_part(part: PartyExport, out: str | Path) -> tuple[Path, Path]:
     if part.columns is not None:
         arrays["columns"] = part.columns
     if part.feature_names is not None:
+        if any(len(name) > MAX_NAME_CHARS for name in part.feature_names):
+            raise ValueError(f"party {part.party}: a column name is longer than {MAX_NAME_CHARS} characters")
         arrays["feature_names"] = np.asarray(part.feature_names, dtype=np.str_)
     atomic_write(npz_path, lambda fh: np.savez(fh, **arrays))
     manifest = {"format": FORMAT, "version": VERSION, "party": part.party, "parties": part.parties,
                 "problem": part.problem, "link": part.link, "id_column": part.id_column,
                 "n_features": part.n_features, "standardize": part.standardize, "epochs": part.epochs,
                 "schema": _schema(part), "arrays": npz_path.name,
-                "arrays_sha256": hashlib.sha256(npz_path.read_bytes()).hexdigest()}
+                "arrays_sha256": _digest(npz_path)}
     text = (json.dumps(manifest, indent=1) + "\n").encode()
     atomic_write(json_path, lambda fh: fh.write(text))
     return json_path, npz_path
+
+
+def _digest(path: Path) -> str:
+    """SHA-256 of a file, read in pieces (a planted file may be large)."""
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _member_header(z: np.lib.npyio.NpzFile, key: str) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype the header of the npz member ``key`` announces, read without the array."""
+    with z.zip.open(f"{key}.npy") as fh:
+        version = np.lib.format.read_magic(fh)
+        fmt = np.lib.format
+        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, _, dtype = read(fh)
+    return shape, dtype
 
 
 def _schema(part: PartyExport) -> str:
@@ -148,10 +168,10 @@ def read_part(folder: str | Path, rank: int) -> PartyExport:
     json_path, npz_path = part_paths(folder, rank)
     manifest = _read_manifest(json_path, rank)
     try:
-        blob = npz_path.read_bytes()
+        digest = _digest(npz_path)
     except OSError as exc:
         raise ValueError(f"{npz_path}: cannot read the part's arrays ({exc.strerror})") from None
-    if hashlib.sha256(blob).hexdigest() != manifest["arrays_sha256"]:
+    if digest != manifest["arrays_sha256"]:
         raise ValueError(f"{npz_path} is not the arrays {json_path.name} names (its digest differs)")
     arrays = _read_arrays(npz_path, manifest)
     return PartyExport(rank, manifest["parties"], manifest["problem"], float(manifest["epochs"]),
@@ -205,15 +225,15 @@ def _read_arrays(path: Path, manifest: dict) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as z:
             present = {k: v for k, v in {**wanted, **optional}.items() if k in wanted or k in z.files}
-            for key in present:
-                if npz_member_shape(z, key) != (n,):
+            for key, kinds in present.items():  # every header checked before any array is read
+                shape, dtype = _member_header(z, key)
+                if shape != (n,):
                     raise ValueError(f"{key} is not {n} entries")
+                if dtype.kind not in kinds or dtype.itemsize > 4 * MAX_NAME_CHARS:
+                    raise ValueError(f"{key} has dtype {dtype}")
             arrays = {key: z[key] for key in present}
     except (OSError, KeyError, EOFError, ValueError) as exc:
         raise ValueError(f"{path} is damaged ({exc})") from None
-    for key, kinds in present.items():
-        if arrays[key].dtype.kind not in kinds:
-            raise ValueError(f"{path} is damaged: {key} has dtype {arrays[key].dtype}")
     for key in ("w", "shift", "scale"):
         if key in arrays and not np.isfinite(arrays[key]).all():
             raise ValueError(f"{path} is damaged: {key} holds NaN or infinite values")

@@ -93,7 +93,8 @@ def test_a_part_round_trips_and_scores_raw_columns(tmp_path):
     np.testing.assert_allclose(back.partial_scores(X), [1.0 - 2.0 + 0.5, 1.0])
 
 
-@pytest.mark.parametrize("damage", ["digest", "manifest", "unhashable", "shape", "nan", "pickle", "big"])
+@pytest.mark.parametrize("damage", ["digest", "manifest", "unhashable", "shape", "nan", "pickle", "big",
+                                    "wide-names"])
 def test_a_damaged_part_is_refused_in_one_line(tmp_path, damage):
     json_path, npz_path = write_part(_part(), tmp_path)
     manifest = json.loads(json_path.read_text())
@@ -108,7 +109,8 @@ def test_a_damaged_part_is_refused_in_one_line(tmp_path, damage):
     else:
         arrays = {"w": np.ones(3), "shift": np.zeros(3), "scale": np.ones(3)}
         arrays |= {"shape": {"w": np.ones(4)}, "nan": {"scale": np.array([1.0, np.nan, 1.0])},
-                   "pickle": {"w": np.array([1, "x", None], dtype=object)}}[damage]
+                   "pickle": {"w": np.array([1, "x", None], dtype=object)},
+                   "wide-names": {"feature_names": np.array(["a", "b", "c"], dtype="U100000")}}[damage]
         np.savez(npz_path, **arrays)
     if damage != "big":
         if damage not in ("digest", "manifest", "unhashable"):  # the digest matches: the arrays' checks
