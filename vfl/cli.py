@@ -1,5 +1,5 @@
 """The ``vfl`` command: ``datasets``, ``synth``, ``split``, ``align``, ``reference``, ``train``, ``party``,
-``predict``, ``serve``, ``plot``, ``keygen``, ``hfl-train``, ``hfl-split``.
+``predict``, ``serve``, ``export``, ``plot``, ``keygen``, ``hfl-train``, ``hfl-split``.
 
 Each subcommand validates its options here, at the edge, and turns library errors into one readable
 line and exit code 2 (never a traceback for a user mistake). ``train`` imports ``parties`` lazily, so
@@ -213,6 +213,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                  peer_timeout=args.peer_timeout)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from parties.export import export_party, part_paths
+
+    part = export_party(args.run, args.party, args.out, overwrite=args.overwrite)
+    json_path, npz_path = part_paths(args.out, args.party)
+    print(f"party {args.party}: wrote {json_path} and {npz_path} ({part.n_features:,} columns, "
+          f"{part.problem}, --standardize {part.standardize}, epoch {part.epochs:g})")
+    return 0
+
+
 def _cmd_align(args: argparse.Namespace) -> int:
     from parties.align import launch_alignment
 
@@ -344,6 +354,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-timeout", type=float, default=10.0,
                    help="seconds the leader waits for a party's answer before it answers 503 and ends")
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("export", help="write one party's part of a trained model (its block, scaling and "
+                                      "column schema; docs/serving.md#export)")
+    p.add_argument("run", help="the --out folder of a `vfl train` run")
+    p.add_argument("--party", type=int, required=True, help="the rank whose part is written (its own folder)")
+    p.add_argument("--out", required=True, help="folder for party-<rank>.export.json and .export.npz")
+    p.add_argument("--overwrite", action="store_true", help="replace this party's part if it is there")
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("align", help="private set intersection of the parties' id columns (starts mpiexec)")
     p.add_argument("-n", "--parties", type=int, required=True, help="q, number of parties")

@@ -9,7 +9,8 @@ After fitting, ``coef_blocks_[p]`` is party p's block (in the units of ``X``) an
 column indices; ``coef_`` is the whole weight vector. Assembling it is possible only because this
 simulation holds every block in one process: in a deployment each party keeps its own block and
 ``vfl predict`` scores rows through secure aggregation. ``predict``/``decision_function`` here compute
-``X @ coef_ + intercept_`` locally.
+``X @ coef_ + intercept_`` locally, and ``to_onnx(path)`` writes that assembled model as ONNX
+(:mod:`vfl.onnx_export`).
 
 ``gamma=None`` (the default) derives the step from the data as ``vfl train`` does without ``--gamma``
 (``docs/usage.md``); ``gamma_`` is the step the fit used. ``standardize`` is ``vfl train
@@ -160,6 +161,13 @@ class _VerticalEstimator(BaseEstimator):
         if X.shape[1] != self.n_features_in_:
             raise ValueError(f"X has {X.shape[1]} features, the model was fitted with {self.n_features_in_}")
         return np.asarray(X @ self.coef_, dtype=np.float64).ravel() + self.intercept_
+
+    def to_onnx(self, path) -> Path:
+        """Write the fitted model to ``path`` as ONNX (:mod:`vfl.onnx_export`; needs ``vfl[export]``)."""
+        from vfl.onnx_export import linear_to_onnx
+
+        check_is_fitted(self, "coef_")
+        return linear_to_onnx(self, path)
 
     # ---------------------------------------------------------------------------------- validation
 
@@ -372,3 +380,11 @@ class VerticalMLPClassifier(ClassifierMixin, BaseEstimator):
 
     def predict(self, X) -> np.ndarray:
         return self.classes_[self.predict_proba(X).argmax(axis=1)]
+
+    def to_onnx(self, path) -> Path:
+        """Write the fitted split network to ``path`` as ONNX (:mod:`vfl.onnx_export`; needs
+        ``vfl[export]``)."""
+        from vfl.onnx_export import mlp_to_onnx
+
+        check_is_fitted(self, "top_")
+        return mlp_to_onnx(self, path)

@@ -1,0 +1,263 @@
+"""``vfl export``: each party writes its own part of a trained linear model, for use outside vfl.
+
+Nobody holds the whole model, so nobody can export it: party ``r`` exports only what it holds, from its
+own folder (``--party-dir``, by default the run folder): its block ``w_r`` of the complete epoch the
+run marked, the ``--standardize`` statistics it scales its raw columns with (``standardize-<r>.npz``),
+and the schema of the columns it expects (names from its party file or CSV header where present, its
+global column indices where known, else positions). Each part is two files in ``--out``:
+
+* ``party-<r>.export.json``: a small manifest (format, version, party, q, problem and output link, the
+  id column, the width, the standardisation mode, the epoch, the SHA-256 of the arrays file);
+* ``party-<r>.export.npz``: the arrays ``w``, and where they apply ``shift``/``scale``, ``columns``,
+  ``feature_names`` (plain arrays: no pickle).
+
+The score of a row is Σ_r w_r·((x_r − shift_r)/scale_r), the same sum ``vfl predict`` computes by secure
+aggregation; :func:`combined_scores` recombines parts held in one place (a test, or organisations that
+agree to pool their parts). Parts are read back as untrusted input, as checkpoints are
+(:mod:`parties.checkpoint`): a bounded manifest, array headers checked before any array is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+from parties.checkpoint import atomic_write, complete_epochs, load_checkpoint
+
+FORMAT = "vfl-party-export"
+VERSION = 1
+#: the party files' id column (``vfl split``'s and ``vfl align``'s): what a row is keyed by
+ID_COLUMN = "id"
+#: a manifest holds no per-column list: anything larger is not one this module wrote
+MANIFEST_MAX_BYTES = 16384
+#: more columns than any party file holds (int32 indices): a larger width is damage
+MAX_FEATURES = 2**31 - 1
+#: the longest column name a part holds (a header announcing wider strings would allocate n times it)
+MAX_NAME_CHARS = 256
+#: the output link of each problem: the score w·x is turned into the prediction by it
+LINKS = {"logistic": "sigmoid", "nonconvex-logistic": "sigmoid", "least-squares": "identity",
+         "robust": "identity"}
+
+
+@dataclass(frozen=True)
+class PartyExport:
+    """One party's exported part: its block, its scaling (None: ``--standardize off``) and its schema."""
+
+    party: int
+    parties: int
+    problem: str
+    epochs: float
+    w: np.ndarray
+    standardize: str = "off"
+    shift: np.ndarray | None = None
+    scale: np.ndarray | None = None
+    columns: np.ndarray | None = None
+    feature_names: tuple[str, ...] | None = None
+    id_column: str = ID_COLUMN
+
+    @property
+    def n_features(self) -> int:
+        return int(self.w.size)
+
+    @property
+    def link(self) -> str:
+        return LINKS[self.problem]
+
+    def partial_scores(self, X) -> np.ndarray:
+        """w_r·x_r of each row of this party's raw columns ``X`` (in the schema's order)."""
+        if X.ndim != 2 or X.shape[1] != self.n_features:
+            raise ValueError(f"party {self.party}: its part takes {self.n_features} columns, got shape "
+                             f"{X.shape}")
+        w = self.w if self.scale is None else self.w / self.scale
+        offset = 0.0 if self.shift is None else float(w @ self.shift)
+        dense = X if sp.issparse(X) else np.asarray(X, dtype=np.float64)
+        return np.asarray(dense @ w, dtype=np.float64).ravel() - offset
+
+
+def part_paths(out: str | Path, rank: int) -> tuple[Path, Path]:
+    return Path(out) / f"party-{rank}.export.json", Path(out) / f"party-{rank}.export.npz"
+
+
+def export_party(run: str | Path, rank: int, out: str | Path, *, overwrite: bool = False) -> PartyExport:
+    """Party ``rank`` of the run in ``run`` writes its part into ``out``; reads only its own folder and
+    its own party file. One ``ValueError`` line for a rank the run lacks or a part already there."""
+    from parties.loading import ids_digest, own_party_file, read_own_party, read_scaling, scaling_path
+    from parties.resume import load_run
+
+    plan = load_run(run)
+    if isinstance(rank, bool) or not 0 <= rank < plan.parties:
+        raise ValueError(f"--party must be a rank of the run's parties 0..{plan.parties - 1}, got {rank}")
+    if plan.problem not in LINKS:
+        raise ValueError(f"the run's problem {plan.problem!r} has no export")
+    if plan.party_files is None:
+        raise ValueError(f"{run}: the run names no party files, so party {rank}'s columns are unknown")
+    json_path, npz_path = part_paths(out, rank)
+    if not overwrite and (json_path.exists() or npz_path.exists()):
+        raise ValueError(f"{json_path} exists: pass --overwrite to replace party {rank}'s part")
+    data = read_own_party(own_party_file(plan.party_files, rank), rank < plan.active, plan.problem)
+    epochs = complete_epochs(run)
+    w = load_checkpoint(plan.party_folder(rank), rank, data.n_features, epochs).w
+    shift = scale = None
+    if plan.standardize != "off":
+        digest = np.frombuffer(ids_digest(data.train_ids, np.zeros(0, dtype=np.int64)), dtype=np.uint8)
+        scaling = read_scaling(scaling_path(plan, rank), data.n_features, plan.standardize, digest)
+        shift, scale = scaling.shift, scaling.scale
+    part = PartyExport(rank, plan.parties, plan.problem, epochs, w, plan.standardize, shift, scale,
+                       None if data.columns is None else np.asarray(data.columns, dtype=np.int64),
+                       data.feature_names)
+    write_part(part, out)
+    return part
+
+
+def write_part(part: PartyExport, out: str | Path) -> tuple[Path, Path]:
+    """The arrays file first, then the manifest naming its digest (each written whole or not at all)."""
+    json_path, npz_path = part_paths(out, part.party)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {"w": part.w}
+    if part.scale is not None:
+        arrays |= {"shift": part.shift, "scale": part.scale}
+    if part.columns is not None:
+        arrays["columns"] = part.columns
+    if part.feature_names is not None:
+        if any(len(name) > MAX_NAME_CHARS for name in part.feature_names):
+            raise ValueError(f"party {part.party}: a column name is longer than {MAX_NAME_CHARS} characters")
+        arrays["feature_names"] = np.asarray(part.feature_names, dtype=np.str_)
+    atomic_write(npz_path, lambda fh: np.savez(fh, **arrays))
+    manifest = {"format": FORMAT, "version": VERSION, "party": part.party, "parties": part.parties,
+                "problem": part.problem, "link": part.link, "id_column": part.id_column,
+                "n_features": part.n_features, "standardize": part.standardize, "epochs": part.epochs,
+                "schema": _schema(part), "arrays": npz_path.name,
+                "arrays_sha256": _digest(npz_path)}
+    text = (json.dumps(manifest, indent=1) + "\n").encode()
+    atomic_write(json_path, lambda fh: fh.write(text))
+    return json_path, npz_path
+
+
+def _digest(path: Path) -> str:
+    """SHA-256 of a file, read in pieces (a planted file may be large)."""
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _member_header(z: np.lib.npyio.NpzFile, key: str) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype the header of the npz member ``key`` announces, read without the array."""
+    with z.zip.open(f"{key}.npy") as fh:
+        version = np.lib.format.read_magic(fh)
+        fmt = np.lib.format
+        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, _, dtype = read(fh)
+    return shape, dtype
+
+
+def _schema(part: PartyExport) -> str:
+    """How the columns are named: by ``feature_names``, by global ``columns`` indices, or by position."""
+    if part.feature_names is not None:
+        return "names"
+    return "columns" if part.columns is not None else "positions"
+
+
+def read_part(folder: str | Path, rank: int) -> PartyExport:
+    """Party ``rank``'s part from ``folder``, checked whole; any damage is one ``ValueError`` naming it."""
+    json_path, npz_path = part_paths(folder, rank)
+    manifest = _read_manifest(json_path, rank)
+    try:
+        digest = _digest(npz_path)
+    except OSError as exc:
+        raise ValueError(f"{npz_path}: cannot read the part's arrays ({exc.strerror})") from None
+    if digest != manifest["arrays_sha256"]:
+        raise ValueError(f"{npz_path} is not the arrays {json_path.name} names (its digest differs)")
+    arrays = _read_arrays(npz_path, manifest)
+    return PartyExport(rank, manifest["parties"], manifest["problem"], float(manifest["epochs"]),
+                       arrays["w"], manifest["standardize"], arrays.get("shift"), arrays.get("scale"),
+                       arrays.get("columns"),
+                       None if "feature_names" not in arrays else tuple(arrays["feature_names"].tolist()),
+                       manifest["id_column"])
+
+
+def _read_manifest(path: Path, rank: int) -> dict:
+    """The manifest, bounded and checked field by field (types and ranges) before anything uses it."""
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read(MANIFEST_MAX_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the part ({exc.strerror})") from None
+    if len(text) > MANIFEST_MAX_BYTES:
+        raise ValueError(f"{path} is damaged (over {MANIFEST_MAX_BYTES} bytes)")
+    try:
+        m = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ValueError(f"{path} is damaged (not JSON)") from None
+    ok = (isinstance(m, dict) and m.get("format") == FORMAT and m.get("version") == VERSION
+          and _count(m.get("parties"), 1, 2**16) and _count(m.get("party"), 0, 2**16)
+          and m["party"] == rank < m["parties"]
+          and isinstance(m.get("problem"), str) and m["problem"] in LINKS
+          and m.get("link") == LINKS[m["problem"]]
+          and isinstance(m.get("id_column"), str) and _count(m.get("n_features"), 1, MAX_FEATURES)
+          and m.get("standardize") in ("off", "on", "center")
+          and isinstance(m.get("epochs"), int | float) and not isinstance(m.get("epochs"), bool)
+          and math.isfinite(m["epochs"]) and m["epochs"] >= 0
+          and m.get("schema") in ("names", "columns", "positions")
+          and isinstance(m.get("arrays_sha256"), str) and len(m["arrays_sha256"]) == 64)
+    if not ok:
+        raise ValueError(f"{path} is not a {FORMAT} v{VERSION} part of party {rank} (a field is missing "
+                         "or out of range)")
+    return m
+
+
+def _count(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _read_arrays(path: Path, manifest: dict) -> dict[str, np.ndarray]:
+    """The arrays the manifest announces, each header checked (shape (n,)) before the array is read."""
+    n = manifest["n_features"]
+    wanted = {"w": "f"}
+    if manifest["standardize"] != "off":
+        wanted |= {"shift": "f", "scale": "f"}
+    optional = {"columns": "iu", "feature_names": "U"}
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            present = {k: v for k, v in {**wanted, **optional}.items() if k in wanted or k in z.files}
+            for key, kinds in present.items():  # every header checked before any array is read
+                shape, dtype = _member_header(z, key)
+                if shape != (n,):
+                    raise ValueError(f"{key} is not {n} entries")
+                if dtype.kind not in kinds or dtype.itemsize > 4 * MAX_NAME_CHARS:
+                    raise ValueError(f"{key} has dtype {dtype}")
+            arrays = {key: z[key] for key in present}
+    except (OSError, KeyError, EOFError, ValueError) as exc:
+        raise ValueError(f"{path} is damaged ({exc})") from None
+    for key in ("w", "shift", "scale"):
+        if key in arrays and not np.isfinite(arrays[key]).all():
+            raise ValueError(f"{path} is damaged: {key} holds NaN or infinite values")
+    if "scale" in arrays and not (arrays["scale"] > 0).all():
+        raise ValueError(f"{path} is damaged: a scale is not positive")
+    if {"names": "feature_names", "columns": "columns"}.get(manifest["schema"], "w") not in arrays:
+        raise ValueError(f"{path} is damaged: the schema {manifest['schema']!r} has no array")
+    return {k: v.astype(np.float64) if k in ("w", "shift", "scale") else v for k, v in arrays.items()}
+
+
+def read_parts(folder: str | Path) -> list[PartyExport]:
+    """Every party's part from one folder (parts pooled in one place), checked to make one model: the
+    same q, problem and epoch, and a part for each rank 0..q-1."""
+    first = read_part(folder, 0)
+    parts = [first] + [read_part(folder, r) for r in range(1, first.parties)]
+    for part in parts[1:]:
+        if (part.parties, part.problem, part.epochs) != (first.parties, first.problem, first.epochs):
+            raise ValueError(f"{folder}: party {part.party}'s part is of another model (q, problem or epoch "
+                             "differs from party 0's)")
+    return parts
+
+
+def combined_scores(parts: Sequence[PartyExport], blocks: Sequence) -> np.ndarray:
+    """Σ_r w_r·x_r over the parties' raw column blocks (rows aligned by id): the model's score w·x."""
+    if len(blocks) != len(parts):
+        raise ValueError(f"{len(blocks)} column blocks for {len(parts)} parts")
+    return np.sum([part.partial_scores(X) for part, X in zip(parts, blocks, strict=True)], axis=0)
