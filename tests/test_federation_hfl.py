@@ -270,4 +270,4 @@ def test_a_frame_whose_meta_is_not_a_json_object_is_refused_naming_the_sender(me
 
     header = np.array([int(Kind.UPLINK), len(meta), 0], dtype=np.int64)
     with pytest.raises(WireError, match=f"rank 2 sent a UPLINK frame whose {message}"):
-        recv_frame(_Replay(header, np.frombuffer(meta, dtype=np.uint8)), 2, Kind.UPLINK)
+        recv_frame(_Replay(header, np.frombuffer(meta, dtype=np.uint8)), 2, Kind.UPLINK, max_body=0)
