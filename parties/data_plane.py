@@ -5,7 +5,8 @@ Threads:
 * **communication thread** - the only receiver on the data communicator. It waits in one blocking
   ``Recv(ANY_SOURCE, ANY_TAG)`` (no Python polling, no ``Probe``: with more ranks than cores either
   costs an OS time slice per message), validates what arrived (:func:`~parties.messages.check_envelope`,
-  then the receivers of each kind) and serves it: secure-aggregation traffic (this party's masked
+  then the receivers of each kind) and serves it (under ``--label-privacy he`` it polls instead:
+  :func:`_idle_receive`): secure-aggregation traffic (this party's masked
   products for other dominators' requests, tree sums), (ϑ, i) broadcasts (handed to a worker), the
   synchronous baselines' acknowledgements, heartbeats. With ``link_delay`` it hands messages to a
   :class:`~protocols.delay.DelayedDelivery` thread instead, which serves them after the delay.
@@ -66,6 +67,15 @@ from protocols.errors import ProtocolViolation
 from protocols.liveness import Liveness
 from protocols.schedule import DominatorSchedule
 from protocols.transport import AGGREGATION_TAG, MpiTransport
+
+#: ``--label-privacy he``: the communication thread's receive polls, sleeping between polls (up to 1 ms,
+#: ``protocols.liveness.Backoff``), instead of MPICH's blocking ``Recv``, which spins on the core while it
+#: waits. An HE batch takes tens of ms of encryption and decryption, so a millisecond of latency costs
+#: little, and the spinning receivers of the parties that wait for it took the cores that work needed:
+#: on 2 cores an a9a HE epoch (q = 4, B = 256) took 21.0 s with blocking receives and 12.0 s polled, the
+#: passive parties' CPU time falling from 8.2-8.6 s to 4.0 s each (experiments/results/README.md, "HE:
+#: packed decryption"). The plain modes keep the blocking receive: their round trips are microseconds.
+_idle_receive = (lambda: None,)
 
 #: Most request ids of one dominator this party accepts beyond its oldest unfinished one: the job's
 #: ``--inflight``, at most this (request ``rid`` comes only once ``rid - inflight`` is done here). At most
@@ -235,8 +245,9 @@ class DataPlane:
         # by check_envelope, the contents by Inbox (ϑ, i; DONE) and AggregationNode.receive (with this
         # party's n_rows for REQUEST indices). A bad message raises ProtocolViolation naming the sender,
         # and the thread's guard ends the job with it.
+        idle = _idle_receive if self.he else ()
         while True:
-            source, tag, msg = self.transport.recv_any()  # framing, sizes and seals checked there
+            source, tag, msg = self.transport.recv_any(*idle)  # framing, sizes and seals checked there
             check_envelope(source, tag, msg.nbytes, rank=self.rank, active_ranks=self.active_ranks,
                            synchronous=self.synchronous, he=self.he)
             self.last_heard[source] = time.monotonic()
