@@ -3,13 +3,11 @@
 Threads:
 
 * **communication thread** - the only receiver on the data communicator. It waits in one blocking
-  ``Recv(ANY_SOURCE, ANY_TAG)`` (no Python polling, no ``Probe``: with more ranks than cores either
-  costs an OS time slice per message), validates what arrived (:func:`~parties.messages.check_envelope`,
-  then the receivers of each kind) and serves it (under ``--label-privacy he`` it polls instead:
-  :func:`_idle_receive`): secure-aggregation traffic (this party's masked
-  products for other dominators' requests, tree sums), (ϑ, i) broadcasts (handed to a worker), the
-  synchronous baselines' acknowledgements, heartbeats. With ``link_delay`` it hands messages to a
-  :class:`~protocols.delay.DelayedDelivery` thread instead, which serves them after the delay.
+  ``Recv(ANY_SOURCE, ANY_TAG)`` (no ``Probe``: with more ranks than cores it costs an OS time slice per
+  message; ``--label-privacy he`` polls), validates what arrived (:func:`~parties.messages.check_envelope`,
+  then each kind's receiver) and serves it: secure-aggregation traffic (masked products for dominators'
+  requests, tree sums), (ϑ, i) broadcasts (handed to a worker), the synchronous baselines' ACKs,
+  heartbeats. With ``link_delay`` it hands messages to a :class:`~protocols.delay.DelayedDelivery` thread.
 * **k worker threads** - apply collaborative updates (Alg. 3/5/7) to the shared block ``w`` lock-free
   with numba ``nogil`` kernels, so they really run in parallel. The ϑ stream of dominator r goes to
   worker ``r mod k`` (k = m: one worker per dominator stream, the paper's setting).
@@ -67,15 +65,6 @@ from protocols.errors import ProtocolViolation
 from protocols.liveness import Liveness
 from protocols.schedule import DominatorSchedule
 from protocols.transport import AGGREGATION_TAG, MpiTransport
-
-#: ``--label-privacy he``: the communication thread's receive polls, sleeping between polls (up to 1 ms,
-#: ``protocols.liveness.Backoff``), instead of MPICH's blocking ``Recv``, which spins on the core while it
-#: waits. An HE batch takes tens of ms of encryption and decryption, so a millisecond of latency costs
-#: little, and the spinning receivers of the parties that wait for it took the cores that work needed:
-#: on 2 cores an a9a HE epoch (q = 4, B = 256) took 21.0 s with blocking receives and 12.0 s polled, the
-#: passive parties' CPU time falling from 8.2-8.6 s to 4.0 s each (experiments/results/README.md, "HE:
-#: packed decryption"). The plain modes keep the blocking receive: their round trips are microseconds.
-_idle_receive = (lambda: None,)
 
 #: Most request ids of one dominator this party accepts beyond its oldest unfinished one: the job's
 #: ``--inflight``, at most this (request ``rid`` comes only once ``rid - inflight`` is done here). At most
@@ -240,12 +229,12 @@ class DataPlane:
 
     def _comm_loop(self) -> None:
         # One blocking Recv(ANY_SOURCE, ANY_TAG) into a reused buffer (MpiTransport.recv_any): with ranks
-        # outnumbering cores, Probe + Recv measured 1-8 ms per round trip here, a plain Recv 20-35 µs.
-        # Everything another party sends is validated here, before it can reach a kernel: the envelope
-        # by check_envelope, the contents by Inbox (ϑ, i; DONE) and AggregationNode.receive (with this
-        # party's n_rows for REQUEST indices). A bad message raises ProtocolViolation naming the sender,
-        # and the thread's guard ends the job with it.
-        idle = _idle_receive if self.he else ()
+        # outnumbering cores, Probe + Recv measured 1-8 ms per round trip here, a plain Recv 20-35 µs; HE
+        # polls, sleeping up to 1 ms (its batches take tens of ms, and MPICH's Recv spins: runtime.md).
+        # Everything another party sends is validated here, before it can reach a kernel: the envelope by
+        # check_envelope, the contents by Inbox (ϑ, i; DONE) and AggregationNode.receive (with this party's
+        # n_rows for REQUEST indices); a ProtocolViolation names the sender, the thread's guard ends the job.
+        idle = (lambda: None,) if self.he else ()
         while True:
             source, tag, msg = self.transport.recv_any(*idle)  # framing, sizes and seals checked there
             check_envelope(source, tag, msg.nbytes, rank=self.rank, active_ranks=self.active_ranks,
