@@ -3,12 +3,11 @@
 Threads:
 
 * **communication thread** - the only receiver on the data communicator. It waits in one blocking
-  ``Recv(ANY_SOURCE, ANY_TAG)`` (no Python polling, no ``Probe``: with more ranks than cores either
-  costs an OS time slice per message), validates what arrived (:func:`~parties.messages.check_envelope`,
-  then the receivers of each kind) and serves it: secure-aggregation traffic (this party's masked
-  products for other dominators' requests, tree sums), (ϑ, i) broadcasts (handed to a worker), the
-  synchronous baselines' acknowledgements, heartbeats. With ``link_delay`` it hands messages to a
-  :class:`~protocols.delay.DelayedDelivery` thread instead, which serves them after the delay.
+  ``Recv(ANY_SOURCE, ANY_TAG)`` (no ``Probe``: with more ranks than cores it costs an OS time slice per
+  message; ``--label-privacy he`` polls), validates what arrived (:func:`~parties.messages.check_envelope`,
+  then each kind's receiver) and serves it: secure-aggregation traffic (masked products for dominators'
+  requests, tree sums), (ϑ, i) broadcasts (handed to a worker), the synchronous baselines' ACKs,
+  heartbeats. With ``link_delay`` it hands messages to a :class:`~protocols.delay.DelayedDelivery` thread.
 * **k worker threads** - apply collaborative updates (Alg. 3/5/7) to the shared block ``w`` lock-free
   with numba ``nogil`` kernels, so they really run in parallel. The ϑ stream of dominator r goes to
   worker ``r mod k`` (k = m: one worker per dominator stream, the paper's setting).
@@ -230,13 +229,14 @@ class DataPlane:
 
     def _comm_loop(self) -> None:
         # One blocking Recv(ANY_SOURCE, ANY_TAG) into a reused buffer (MpiTransport.recv_any): with ranks
-        # outnumbering cores, Probe + Recv measured 1-8 ms per round trip here, a plain Recv 20-35 µs.
-        # Everything another party sends is validated here, before it can reach a kernel: the envelope
-        # by check_envelope, the contents by Inbox (ϑ, i; DONE) and AggregationNode.receive (with this
-        # party's n_rows for REQUEST indices). A bad message raises ProtocolViolation naming the sender,
-        # and the thread's guard ends the job with it.
+        # outnumbering cores, Probe + Recv measured 1-8 ms per round trip here, a plain Recv 20-35 µs; HE
+        # polls, sleeping up to 1 ms (its batches take tens of ms, and MPICH's Recv spins: runtime.md).
+        # Everything another party sends is validated here, before it can reach a kernel: the envelope by
+        # check_envelope, the contents by Inbox (ϑ, i; DONE) and AggregationNode.receive (with this party's
+        # n_rows for REQUEST indices); a ProtocolViolation names the sender, the thread's guard ends the job.
+        idle = (lambda: None,) if self.he else ()
         while True:
-            source, tag, msg = self.transport.recv_any()  # framing, sizes and seals checked there
+            source, tag, msg = self.transport.recv_any(*idle)  # framing, sizes and seals checked there
             check_envelope(source, tag, msg.nbytes, rank=self.rank, active_ranks=self.active_ranks,
                            synchronous=self.synchronous, he=self.he)
             self.last_heard[source] = time.monotonic()

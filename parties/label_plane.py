@@ -178,6 +178,7 @@ class LabelPlane:
         packed = isinstance(gradients, label_he_pack.PackedBlockGradient)
         masked = gradients.masked_packed(payload, rows) if packed else gradients.masked(payload, rows)
         transport.send(source, label_he.pack_bytes(seq, masked), TAG_HE_MASKED)
+        gradients.prepare_masks()  # the next batch's, while the dominator decrypts this one
         reply = self._reply(source, seq)
         if reply.size < 1 or int(reply[0]) != seq:
             raise ProtocolViolation(source, "decrypted gradient", f"is not the answer for batch #{seq}")

@@ -69,6 +69,7 @@ failure raises :class:`~protocols.errors.ProtocolViolation` naming the sender.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import os
@@ -113,6 +114,9 @@ HE_CHUNK = 2048
 #: Rows of one piece of the masked pass (multiplications, then sums, per piece): the GIL is free between
 #: pieces, and each sends a progress word in a full pass (:func:`progress_words`).
 MASK_ROWS = 128
+#: Masked passes whose masks a passive party may hold encrypted ahead of need (:meth:`BlockGradient.
+#: prepare_masks`): one is the next batch's; a second would only wait longer in memory.
+PREPARED_PASSES = 1
 _WHAT_CT = "encrypted batch"
 _WHAT_KEY = "public key"
 _WHAT_REPLY = "decrypted gradient"
@@ -319,6 +323,8 @@ class BlockGradient:
         self._encoded = np.rint(data * 2.0**self.feature_bits).astype(np.int64)
         self._masks: list[int] | None = None
         self._bounds: np.ndarray | None = None
+        #: masks encrypted ahead of need (:meth:`prepare_masks`), oldest first; each taken once
+        self._prepared: collections.deque = collections.deque()
 
     def draw_masks(self, count: int) -> tuple[list[int], list[int]]:
         """``count`` fresh masks r (Paillier: uniform on [0, n); OU: on [0, 2^ou_mask_bits)) and their
@@ -334,10 +340,30 @@ class BlockGradient:
         """[[X_Bᵀϑ + r]] for the batch ``rows`` from the encrypted ϑ's in ``payload``; keeps r.
         ``progress`` is called after each piece of the work but the last (:func:`progress_words`)."""
         sums = self.column_sums(payload, rows, progress)
-        # one fresh encryption per column: an encrypted zero where the batch has no non-zero
-        self._masks, encoded_masks = self.draw_masks(self.block.n_cols)
-        masks = self._encryptor.encrypt(self._kit.array(np.array(encoded_masks, dtype=object), self._big))
+        # one fresh encryption per column, used once: it also re-randomises each column's sum
+        self._masks, masks = self.take_masks()
         return masks.serialize() if sums is None else self._evaluator.add(sums, masks).serialize()
+
+    def encrypt_masks(self) -> tuple[list[int], object]:
+        """One masked pass's masks (:meth:`draw_masks`, one per column) and their fresh encryptions."""
+        masks, encoded = self.draw_masks(self.block.n_cols)
+        return masks, self._encryptor.encrypt(self._kit.array(np.array(encoded, dtype=object), self._big))
+
+    def prepare_masks(self) -> None:
+        """Encrypt the next masked pass's masks now, ahead of need: they depend on no data, and their
+        encryption is most of a passive party's own work for a batch (a 681-bit OU exponent per column).
+        The label plane calls this while the party waits for the dominator's decryption, when its core
+        is otherwise idle. At most :data:`PREPARED_PASSES` sets wait; each is taken, once, by the next
+        :meth:`take_masks` (the masks stay as fresh and as wide as those drawn on demand)."""
+        if len(self._prepared) < PREPARED_PASSES:
+            self._prepared.append(self.encrypt_masks())
+
+    def take_masks(self) -> tuple[list[int], object]:
+        """A prepared set of masks, removed from the pool, or a fresh one when none waits."""
+        try:
+            return self._prepared.popleft()
+        except IndexError:
+            return self.encrypt_masks()
 
     def column_sums(self, payload: bytes, rows: np.ndarray, progress: Callable[[], None] | None = None):
         """[[X_Bᵀϑ]] (d_l ciphertexts, None when the batch's rows are all zero in this block) from the
@@ -383,7 +409,8 @@ class BlockGradient:
                      progress: Callable[[], None] | None):
         """[[Σ_i x_ij ϑ_i]] per column j (:meth:`column_sums`'s arithmetic), None without a non-zero, in
         pieces of :data:`MASK_ROWS` rows (``pieces``: where each starts in the non-zeros, then the end),
-        so that the GIL is free between pieces. Encrypted zeros fill the columns the first piece lacks."""
+        so that the GIL is free between pieces. A column the first piece lacks starts from the library's
+        zero (an empty sum): the fresh encryption of its mask re-randomises it, as every column's."""
         ev, d = self._evaluator, self.block.n_cols
         if nnz.size == 0:
             return None
@@ -399,19 +426,15 @@ class BlockGradient:
             if self.feature_bits or np.any(factors != 1):
                 terms = ev.mul(terms, self._kit.array(factors, self._encoder))
             order = np.argsort(columns[chunk], kind="stable")
+            if total is None:  # all d columns, a column without a non-zero an empty group: zero
+                bounds = np.searchsorted(columns[chunk][order], np.arange(d + 1))
+                groups = [order[a:b].tolist() for a, b in itertools.pairwise(bounds)]
+                total = ev.batch_select_sum(terms, groups)
+                continue
             present, starts = np.unique(columns[chunk][order], return_index=True)
             sums = ev.batch_select_sum(terms, [g.tolist() for g in np.split(order, starts[1:])])
             present = present.tolist()
-            if total is None and len(present) == d:
-                total = sums
-                continue
-            if total is None:
-                total = self._encryptor.encrypt(self._kit.array(np.zeros(d, np.int64), self._encoder))
-                added = sums
-            else:
-                added = ev.add(total[present], sums)
-            for i, j in enumerate(present):
-                total[j] = added[i]
+            total[present] = ev.add(total[present], sums)  # one call each, no per-column loop
         return total
 
     def _check_jacobi(self, cts) -> None:

@@ -29,6 +29,7 @@ documented semi-honest dominator.
 
 from __future__ import annotations
 
+import collections
 import secrets
 from typing import NamedTuple
 
@@ -37,6 +38,7 @@ import numpy as np
 from protocols.errors import ProtocolViolation
 from protocols.label_he import (
     FEATURE_BITS,
+    PREPARED_PASSES,
     THETA_BITS,
     VALUE_BITS,
     BlockGradient,
@@ -127,16 +129,33 @@ class PackedBlockGradient(BlockGradient):
         super().__init__(source, public_key, block=block, scheme="ou", key_bits=key_bits)
         self.layout = layout(batch, key_bits)
         self._slot_masks: list[int] | None = None
+        #: packed masks encrypted ahead of need, oldest first; each taken once (the base class's pool
+        #: holds the unpacked ones of the snapshot's full pass)
+        self._prepared_slots: collections.deque = collections.deque()
+
+    def encrypt_slot_masks(self) -> tuple[list[int], object]:
+        """One packed pass's slot masks (uniform on [0, 2^(w−1)), fresh from OS entropy) and the fresh
+        encryption of each packed value's Σ_s 2^(ws)·(r_s + 2^G)."""
+        lay = self.layout
+        slot_masks = [secrets.randbits(lay.width - 1) for _ in range(lay.packed_count(self.block.n_cols)
+                                                                     * lay.slots)]
+        plain = _pack_contents([r + (1 << lay.gradient_bits) for r in slot_masks], lay)
+        return slot_masks, self._encryptor.encrypt(self._kit.array(np.array(plain, dtype=object), self._big))
+
+    def prepare_masks(self) -> None:
+        """:meth:`BlockGradient.prepare_masks` for the batches' packed passes."""
+        if len(self._prepared_slots) < PREPARED_PASSES:
+            self._prepared_slots.append(self.encrypt_slot_masks())
 
     def masked_packed(self, payload: bytes, rows: np.ndarray) -> bytes:
         """[[Σ_s 2^(ws)·(g_s + 2^G + r_s)]] per group of k columns, from the batch's encrypted ϑ's."""
         lay, d = self.layout, self.block.n_cols
         sums = self.column_sums(payload, rows)
         count = lay.packed_count(d)
-        self._slot_masks = [secrets.randbits(lay.width - 1) for _ in range(count * lay.slots)]
-        offset = 1 << lay.gradient_bits
-        plain = _pack_contents([r + offset for r in self._slot_masks], lay)
-        masks = self._encryptor.encrypt(self._kit.array(np.array(plain, dtype=object), self._big))
+        try:  # a prepared set, removed from the pool: each is used once
+            self._slot_masks, masks = self._prepared_slots.popleft()
+        except IndexError:
+            self._slot_masks, masks = self.encrypt_slot_masks()
         if sums is None:
             return masks.serialize()
         ev = self._evaluator

@@ -100,6 +100,38 @@ def test_unmasking_is_exact_for_either_scheme_and_either_sign(key, paillier_key,
         assert (gradient < 0).any() and (gradient > 0).any()
 
 
+def test_masks_prepared_ahead_are_each_used_once_and_the_gradient_stays_exact(key):
+    """Masks encrypted ahead of need (while the party waits for a decryption) are taken by the next masked
+    pass and never again: over many passes, with and without a prepared set, no mask value repeats and
+    no mask ciphertext is sent twice; at most PREPARED_PASSES sets wait. B = 300 > MASK_ROWS, and column 1
+    has non-zeros only after the first piece's rows, column 3 none: both still sum exactly."""
+    rng = np.random.default_rng(5)
+    X = sp.random(300, 9, density=0.5, random_state=5, format="csr").toarray()
+    X[X != 0] = rng.integers(1, 4, np.count_nonzero(X))
+    X[:label_he.MASK_ROWS + 10, 1] = 0
+    X[:, 3] = 0
+    party = label_he.BlockGradient(0, key.public_bytes(), block=Block.from_matrix(sp.csr_matrix(X)))
+    rows, seen, sent = np.arange(300), set(), set()
+    for k in range(6):
+        if k % 3:  # passes 1, 2, 4, 5 run on prepared masks, 0 and 3 draw on demand
+            for _ in range(3):
+                party.prepare_masks()
+            assert len(party._prepared) == label_he.PREPARED_PASSES
+            prepared = party._prepared[0][0]
+        thetas = rng.integers(-100, 100, 300).astype(float)
+        masked = party.masked(key.encrypt(thetas), rows)
+        if k % 3:
+            assert party._masks == prepared and not party._prepared  # taken, and gone from the pool
+        assert seen.isdisjoint(party._masks) and len(set(party._masks)) == 9
+        seen |= set(party._masks)
+        cts = label_he._heu()[0].CiphertextArray.load_from(masked)
+        texts = {str(cts[j]) for j in range(cts.size)}
+        assert sent.isdisjoint(texts) and len(texts) == 9
+        sent |= texts
+        gradient = party.unmask(key.decrypt_masked(1, masked, batch=300))
+        assert np.array_equal(gradient, X.T @ thetas) and gradient[3] == 0.0
+
+
 def _with_masks(party, value: int):
     """Make ``party`` draw every mask equal to ``value`` (an extreme the uniform draw could give)."""
     n = party._modulus

@@ -70,6 +70,31 @@ def test_a_packed_decryption_equals_the_unpacked_values_exactly(key, integral, c
     assert np.max(np.abs(got)) > 2.0**20  # the extremes did reach the sums
 
 
+def test_packed_masks_prepared_ahead_are_each_used_once(key):
+    """The packed pool: a prepared set of slot masks goes to the next packed pass only, never twice, and
+    the prepared and on-demand passes both decrypt to the unpacked values."""
+    rng = np.random.default_rng(8)
+    block = _block(rng, True, 9)
+    party = pack.PackedBlockGradient(0, key.public_bytes(), block=block, batch=B)
+    plain = label_he.BlockGradient(0, key.public_bytes(), block=block)
+    seen: set[int] = set()
+    for k in range(4):
+        if k % 2:
+            party.prepare_masks()
+            party.prepare_masks()
+            assert len(party._prepared_slots) == label_he.PREPARED_PASSES and not party._prepared
+            prepared = party._prepared_slots[0][0]
+        rows = rng.choice(block.n_rows, B, replace=False)
+        payload = key.encrypt(np.rint(rng.uniform(-1, 1, B) * 2.0**32) / 2.0**32)
+        masked = party.masked_packed(payload, rows)
+        if k % 2:
+            assert party._slot_masks == prepared and not party._prepared_slots
+        assert seen.isdisjoint(party._slot_masks) and len(set(party._slot_masks)) == len(party._slot_masks)
+        seen |= set(party._slot_masks)
+        got = party.unmask_packed(pack.decrypt_packed(key, 1, masked, B, party.layout))
+        assert np.array_equal(got, plain.unmask(key.decrypt_masked(1, plain.masked(payload, rows), B)))
+
+
 def test_slot_contents_round_trip_through_a_decryption_at_their_extremes(key):
     lay = pack.layout(B, 2048)
     top = (1 << lay.gradient_bits) - 1
