@@ -218,6 +218,7 @@ def test_vfl_align_errors_are_one_line_with_exit_2(tmp_path: Path, case: str) ->
 
 
 TAMPER = """
+import sys
 import numpy as np
 from mpi4py import MPI
 import parties.align as align
@@ -228,15 +229,18 @@ if MPI.COMM_WORLD.Get_rank() == 1:
             arr = np.ascontiguousarray(arr)[:-1]
         real(self, arr, dest, tag)
     align.Link.send = short
-align.run_rank(["--bench", "50"])
+align.run_rank(["--bench", "50", "--out", sys.argv[1]])
 """
 
 
 @pytest.mark.mpi
-def test_a_message_of_the_wrong_length_ends_the_job_naming_its_sender() -> None:
-    proc = run_mpi(2, ["-c", TAMPER], check=False, timeout=60)
+def test_a_message_of_the_wrong_length_ends_the_job_naming_its_sender(tmp_path) -> None:
+    from parties.outcomes import decisive_verdict, read_verdicts
+
+    proc = run_mpi(2, ["-c", TAMPER, str(tmp_path)], check=False, timeout=60)
     assert proc.returncode != 0
-    assert "party 1 sent an invalid blinded list" in proc.stderr, proc.stderr
+    line = decisive_verdict(read_verdicts(tmp_path, 2)) or ""
+    assert "party 1 sent an invalid blinded list" in line, (line, proc.stderr)
 
 
 DUPLICATE = """
@@ -252,19 +256,23 @@ if MPI.COMM_WORLD.Get_rank() == 1:
             arr[1] = arr[0]
         real(self, arr, dest, tag)
     align.Link.send = repeat
-align.run_rank(["--bench", "50"])
+align.run_rank(["--bench", "50", "--out", sys.argv[1]])
 """
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("q", [2, 3])
-def test_a_repeated_point_is_blamed_on_the_party_that_made_it_not_the_last_hop(q: int) -> None:
+def test_a_repeated_point_is_blamed_on_the_party_that_made_it_not_the_last_hop(q: int, tmp_path) -> None:
     """Party 1 repeats a point of the list it passes on: its successor names it (at q = 2 the leader
-    used to blame itself, at q = 3 the honest last hop was blamed)."""
-    proc = run_mpi(q, ["-c", DUPLICATE], check=False, timeout=60)
+    used to blame itself, at q = 3 the honest last hop was blamed). The naming line is read from the
+    verdict files, as ``vfl align`` reads it: standard error may be lost when the abort kills the ranks."""
+    from parties.outcomes import decisive_verdict, read_verdicts
+
+    proc = run_mpi(q, ["-c", DUPLICATE, str(tmp_path)], check=False, timeout=60)
     assert proc.returncode != 0
-    assert "party 1 sent an invalid blinded list" in proc.stderr and "the same point twice" in proc.stderr, \
-        proc.stderr
+    line = decisive_verdict(read_verdicts(tmp_path, q)) or ""
+    assert "party 1 sent an invalid blinded list" in line and "the same point twice" in line, \
+        (line, proc.stderr)
 
 
 def test_a_received_list_with_a_repeat_names_its_sender() -> None:
