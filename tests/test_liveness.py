@@ -207,7 +207,7 @@ def test_an_he_full_pass_reply_of_the_wrong_length_is_refused_before_unmasking(s
 
 @pytest.mark.mpi
 def test_an_honest_party_in_a_long_he_full_pass_is_not_named() -> None:
-    """Liveness is progress, and a long local step is progress too: the leader encrypting ϑ_0 of 60,000
+    """Liveness is progress, and a long local step is progress too: the leader encrypting ϑ_0 of 100,000
     rows and each passive party's masked pass outlast a 2 s --peer-timeout. HEU holds the GIL for a
     whole call, so one call for all rows silenced even the heartbeats (the leader was named, measured);
     in pieces the heartbeats go on and each piece sends a progress word (a bounded number)."""

@@ -15,7 +15,7 @@ from parties.runtime import PartyRuntime, PartyState, RuntimeOptions
 from vertical.algorithms.vfb2 import Block, get_rule
 from vertical.problems import get_problem
 
-ROWS, WIDTH = 60_000, 3  # over 2 s here since the masked pass got faster (30,000: 1.5 s)
+ROWS, WIDTH = 100_000, 3  # over 2 s on a quiet machine (60,000: 1.9 s there, 30,000: 1.5 s under load)
 
 
 def main() -> None:
