@@ -273,6 +273,24 @@ def _small_split(tmp_path: Path) -> Path:
     return files
 
 
+def _assert_plain_sgd_steps(files: Path, run: Path, gamma: float, lam: float, batch: int, mode: str) -> None:
+    """Each party's trained block (q = 3, half an epoch) equals mini-batch SGD's in one process on the
+    blocks scaled as the run saved them (``mode``: ``on`` or ``center``), far from the features as given."""
+    plan = JobPlan.from_json((run / "config.json").read_text())
+    blocks = []
+    for rank in range(3):
+        data = load_party_file(find_party_file(files, rank))
+        scaling = read_scaling(scaling_path(plan, rank), data.X_train.shape[1], mode)
+        assert scaling.scale.max() > 100 and scaling.centers == (mode == "center")
+        blocks.append(apply_scaling(data.X_train, scaling))
+    y = load_party_file(find_party_file(files, 0)).y_train
+    ws = _plain_minibatch_sgd(blocks, y, gamma, lam, batch, epochs=0.5)
+    for rank, plain in enumerate(ws):
+        with np.load(run / f"party-{rank}.ckpt.npz") as z:
+            assert np.max(np.abs(plain)) > 0.01
+            assert np.max(np.abs(z["w"] - plain)) < 1e-6, rank
+
+
 def _plain_minibatch_sgd(blocks: list, y: np.ndarray, gamma: float, lam: float, batch: int, *,
                          epochs: float) -> list[np.ndarray]:
     """Mini-batch SGD on the blocks in one process, with the rows the lock-step runtime draws (seed 0)."""
@@ -296,19 +314,7 @@ def test_under_he_each_party_steps_from_its_own_scaled_block(tmp_path):
     run, batch, lam = tmp_path / "run", 32, 0.1
     result = _train(run, "--party-files", str(files), "-n", "3", "-m", "1", "--algorithm", "sgd", "--mode",
                     "sync", "-B", str(batch), "--epochs", "0.5", "--label-privacy", "he", "--lam", str(lam))
-    plan = JobPlan.from_json((run / "config.json").read_text())
-    blocks = []
-    for rank in range(3):
-        data = load_party_file(find_party_file(files, rank))
-        scaling = read_scaling(scaling_path(plan, rank), data.X_train.shape[1], "on")
-        assert scaling.scale.max() > 100  # the scaling is far from 1
-        blocks.append(sp.csr_matrix(apply_scaling(data.X_train, scaling)))
-    y = load_party_file(find_party_file(files, 0)).y_train
-    ws = _plain_minibatch_sgd(blocks, y, result["gamma"], lam, batch, epochs=0.5)
-    for rank, plain in enumerate(ws):
-        with np.load(run / f"party-{rank}.ckpt.npz") as z:
-            assert np.max(np.abs(plain)) > 0.01
-            assert np.max(np.abs(z["w"] - plain)) < 1e-6, rank
+    _assert_plain_sgd_steps(files, run, result["gamma"], lam, batch, "on")
 
 
 @pytest.mark.mpi
@@ -320,19 +326,7 @@ def test_center_in_lock_step_takes_mini_batch_sgds_steps_on_the_centred_blocks(t
     run, batch, lam = tmp_path / "run", 32, 0.1
     result = _train(run, "--party-files", str(files), "-n", "3", "-m", "1", "--algorithm", "sgd", "--mode",
                     mode, "-B", str(batch), "--epochs", "0.5", "--standardize", "center", "--lam", str(lam))
-    plan = JobPlan.from_json((run / "config.json").read_text())
-    blocks = []
-    for rank in range(3):
-        data = load_party_file(find_party_file(files, rank))
-        scaling = read_scaling(scaling_path(plan, rank), data.X_train.shape[1], "center")
-        assert scaling.centers and scaling.scale.max() > 100  # far from as given
-        blocks.append(np.asarray(apply_scaling(data.X_train, scaling)))
-    y = load_party_file(find_party_file(files, 0)).y_train
-    ws = _plain_minibatch_sgd(blocks, y, result["gamma"], lam, batch, epochs=0.5)
-    for rank, plain in enumerate(ws):
-        with np.load(run / f"party-{rank}.ckpt.npz") as z:
-            assert np.max(np.abs(plain)) > 0.01
-            assert np.max(np.abs(z["w"] - plain)) < 1e-6, rank
+    _assert_plain_sgd_steps(files, run, result["gamma"], lam, batch, "center")
 
 
 @pytest.mark.mpi

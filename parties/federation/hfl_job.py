@@ -41,6 +41,7 @@ from typing import Any
 
 from parties.config import ConfigError
 from parties.federation.party_table import Party, check_distinct, check_leader_address, read_party
+from parties.federation.toml_values import scalar_as
 from parties.hfl.config import HflConfig, check_shape, option_names, validate_options
 
 HFL_ROLES = ("server", "client")
@@ -152,18 +153,4 @@ def _typed(value: Any, name: str, what: str) -> Any:
                                                      for v in value):
             return value
         raise ConfigError(f"{what} must be a list of whole numbers, got {value!r}")
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{what} must be true or false, got {value!r}")
-    if kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{what} must be a whole number, got {value!r}")
-    if kind is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{what} must be a number, got {value!r}")
-    if isinstance(value, str):
-        return value
-    raise ConfigError(f"{what} must be a string, got {value!r}")
+    return scalar_as(kind, value, what)

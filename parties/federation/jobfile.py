@@ -54,6 +54,7 @@ from parties.federation.party_table import (
     read_party,
     split_address,
 )
+from parties.federation.toml_values import scalar_as
 
 __all__ = ["JOB_FORMAT", "PARTY_KEYS", "ROLES", "Job", "Party", "check_distinct", "check_leader_address",
            "first_difference", "job_key", "load_job", "parse_job", "read_party", "split_address"]
@@ -233,21 +234,7 @@ def _typed(value: Any, hint: Any, field: dataclasses.Field, what: str) -> Any:
             return parse(value)
         except ValueError:
             raise ConfigError(f"{what}: {value!r} is not a valid value") from None
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{what} must be true or false, got {value!r}")
-    if kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{what} must be a whole number, got {value!r}")
-    if kind is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{what} must be a number, got {value!r}")
-    if isinstance(value, str):
-        return value
-    raise ConfigError(f"{what} must be a string, got {value!r}")
+    return scalar_as(kind, value, what)
 
 
 def _check_parties(parties: tuple[Party, ...], where: str) -> None:
