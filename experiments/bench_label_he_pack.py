@@ -16,7 +16,6 @@ model, loads, command), ``results.csv``, ``table.md`` and ``label_he_pack.png``.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 from experiments._machine import cpu_model
+from experiments._vfb2_runner import write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "experiments" / "results" / "label_he_pack"
@@ -65,10 +65,7 @@ def write(out: Path, meta: dict, runs: list[dict]) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({**meta, "runs": runs}, indent=1) + "\n")
-    with open(out / "results.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(runs[0]))
-        writer.writeheader()
-        writer.writerows(runs)
+    write_rows(out / "results.csv", runs)
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         groups.setdefault((r["batch"], r["decryption"]), []).append(r)
