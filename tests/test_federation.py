@@ -321,6 +321,23 @@ def test_a_party_that_never_arrives_ends_the_join_for_everyone_naming_it(split, 
     assert error_line(bank).startswith("vfl party bank-b: the join ended: clinic-c did not join within 4 s")
 
 
+def the_others_end(procs: list[subprocess.Popen], dead: float) -> tuple[list[float], list[tuple[str, str]]]:
+    """After the third party died at ``dead``: how long the first two took to end, and every output."""
+    ended = []
+    for proc in procs[:2]:
+        proc.wait(timeout=60)
+        ended.append(time.monotonic() - dead)
+    return ended, [p.communicate(timeout=30) for p in procs]
+
+
+def kill_leftovers(procs: list[subprocess.Popen]) -> None:
+    """Leave no party process behind for the next test, whatever the verdict."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def _party_process(org: Org) -> int | None:
     """The pid of the party process (under mpiexec) of an organisation, from /proc."""
     for entry in Path("/proc").iterdir():
@@ -400,16 +417,9 @@ def test_a_party_killed_mid_run_ends_the_run_and_resume_continues_from_the_agree
         while Path(f"/proc/{victim}").exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         dead = time.monotonic()
-        ended = []
-        for proc in procs[:2]:
-            proc.wait(timeout=60)
-            ended.append(time.monotonic() - dead)
-        outputs = [p.communicate(timeout=30) for p in procs]
+        ended, outputs = the_others_end(procs, dead)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        kill_leftovers(procs)
     assert max(ended) < 5 + 2, f"the others took {ended} s after the party died (--peer-timeout 5)"
     for proc, (_, err) in zip(procs[:2], outputs[:2], strict=True):
         assert proc.returncode == 1

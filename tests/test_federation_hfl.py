@@ -24,7 +24,14 @@ from parties.federation.jobfile import parse_job
 from parties.launch import write_private_key
 from protocols.channels import generate_key_pair
 from tests.conftest import REPO_ROOT
-from tests.test_federation import OPEN_AUDIT, error_line, free_port, run_parties
+from tests.test_federation import (
+    OPEN_AUDIT,
+    error_line,
+    free_port,
+    kill_leftovers,
+    run_parties,
+    the_others_end,
+)
 from tests.test_federation import hosts as hosts  # the fixture: one network namespace a party
 
 NAMES = ("server-org", "clinic-a", "clinic-b")
@@ -183,16 +190,9 @@ def test_a_client_killed_mid_run_ends_the_run_for_the_others_named(hfl_split, tm
         assert victim is not None and metrics.stat().st_size, "the rounds did not start"
         os.kill(victim, signal.SIGKILL)
         dead = time.monotonic()
-        ended = []
-        for proc in procs[:2]:
-            proc.wait(timeout=60)
-            ended.append(time.monotonic() - dead)
-        outputs = [p.communicate(timeout=30) for p in procs]
+        ended, outputs = the_others_end(procs, dead)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        kill_leftovers(procs)
     assert max(ended) < 5, f"the others took {ended} s after the client died"
     for proc, (_, err) in zip(procs[:2], outputs[:2], strict=True):
         assert proc.returncode == 1
