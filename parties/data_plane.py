@@ -14,8 +14,12 @@ Threads:
 * **heartbeat thread** - tells the others this party is alive, ends the job when one is silent, and
   watches the partial sums this party's requests wait for (a heartbeat never counts as progress).
 * **the dominated loop** (:meth:`DataPlane.dominate`, the main thread of an active party during a
-  segment): sample rows, obtain ŵ·x by Algorithm 1 rooted here, compute ϑ, broadcast (ϑ, i), update
-  its own block.
+  segment, ``parties/dominated.py``): sample rows, obtain ŵ·x by Algorithm 1 rooted here, compute ϑ,
+  broadcast (ϑ, i), update its own block.
+
+What a party computes (its contribution to rows, its step from ϑ) is its *part*
+(``parties/party_model.py``): the linear block with its lock-free kernels, or a network of
+``vertical/nn`` (k values a row, one lock); the wire carries B·k values where the linear block has k = 1.
 
 Every wait on a peer has a deadline (``--peer-timeout``; the rule, the levels and the control words'
 checks: docs/runtime.md, "Liveness"): a request's partial sums (watched by the heartbeat thread), a
@@ -29,7 +33,6 @@ Under ``--label-privacy he`` the batches to passive parties are the label plane'
 
 from __future__ import annotations
 
-import collections
 import functools
 import queue
 import threading
@@ -38,7 +41,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from parties.label_plane import HE_AHEAD
+from parties.dominated import TICK, DominatedLoop
 from parties.lifecycle import guarded, stop_job
 from parties.messages import (
     MAX_MESSAGE_WORDS,
@@ -56,11 +59,12 @@ from parties.messages import (
     check_envelope,
 )
 from parties.options import RuntimeOptions
+from parties.party_model import part_of
 from protocols import label_he
 from protocols.aggregation import HEADER_WORDS, AggregationNode, Completed, Kind, Requested
 from protocols.channels import OVERHEAD_WORDS
 from protocols.delay import DelayedDelivery
-from protocols.dispatch import Inbox, pack, piggyback, split_piggyback
+from protocols.dispatch import Inbox, split_piggyback
 from protocols.errors import ProtocolViolation
 from protocols.liveness import Liveness
 from protocols.schedule import DominatorSchedule
@@ -71,11 +75,9 @@ from protocols.transport import AGGREGATION_TAG, MpiTransport
 #: 256 × 2 partial sums of 8,192 words (32 MiB) per dominator; the rest of its schedule:
 #: ``protocols/schedule.py``.
 MAX_OPEN_REQUESTS = 256
-#: Longest a thread waiting on a peer sleeps before it looks at its deadline again (seconds).
-TICK = 0.05
 
 
-class DataPlane:
+class DataPlane(DominatedLoop):
     """One party's data communicator (a duplicate of ``comm``, collective), its threads and the
     dominated loop. ``control`` is the party's control plane (barriers, the ``sync-global``
     agreement), ``label`` its label plane under ``--label-privacy he`` (else None), ``records`` the
@@ -98,6 +100,9 @@ class DataPlane:
         self.inflight = 1 if self.synchronous else options.inflight
         self.piggyback = options.piggyback and options.dispatch
         self.he = label is not None
+        #: what this party computes with: its linear block or its network (k values a row)
+        self.part = part_of(party)
+        self.width = self.part.k
         self._lockstep = control.lockstep is not None  # sync-global: the dominators agree on each step
         #: --label-privacy he with passive parties: their batches go encrypted
         self._he_passive = self.he and len(self.active_ranks) < self.q
@@ -109,11 +114,11 @@ class DataPlane:
         self.node = AggregationNode(self.rank, self.q, tree_pairs, allow_leaky_q2=options.allow_two_parties,
                                      roots=options.active_ranks,  # only dominators root a request
                                      max_open=min(self.inflight, MAX_OPEN_REQUESTS),
-                                     batch=options.batch_size)
+                                     batch=options.batch_size, width=self.width)
         #: each dominator held to its schedule: requests ahead of its broadcasts, broadcasts of its requests
         self.schedule = DominatorSchedule(self.q, inflight=self.inflight, dispatch=options.dispatch)
         self.node_lock = threading.Lock()
-        self.inbox = Inbox(self.q)
+        self.inbox = Inbox(self.q, width=self.width)
         self._label_state(label)
         #: with keys, every message between parties is sealed (authenticated encryption), per plane
         self.channels = None if options.keys is None else options.keys.channels(self.rank, b"data")
@@ -160,9 +165,11 @@ class DataPlane:
         """What the hot path needs of the label plane, as plain attributes: the largest message, and under
         ``--epsilon`` the noise and the pass batches."""
         self.max_words = MAX_MESSAGE_WORDS if label is None else label.max_words
+        b, k = self.batch_size, self.width
+        #: a network's messages hold B·k values (a partial sum; each row's ϑ): the job fixes both
+        self.max_words = max(self.max_words, HEADER_WORDS + b * k, 2 + b + b * k)
         if self.piggyback:  # a (ϑ, i) message of B rows and a request for B rows, behind a length word
-            b = self.batch_size
-            self.max_words = max(self.max_words, 1 + (2 + 2 * b) + (HEADER_WORDS + b))
+            self.max_words = max(self.max_words, 1 + (2 + b + b * k) + (HEADER_WORDS + b))
         self._noise_std = 0.0 if label is None else label.noise_std
         self._batches = None if label is None else label.batches
 
@@ -187,12 +194,8 @@ class DataPlane:
             t.start()
 
     def _warm_up(self) -> None:
-        """Compile the numba kernels now, so that JIT time never counts as training time."""
-        none = np.zeros(0, dtype=np.int64)
-        self.party.rule.products(self.party.w, none)
-        self.party.rule.apply(self.party.w.copy(), none, np.zeros(0))
-        # every drain calls it: compiled now, or the first drain would be a silent step of seconds
-        self.party.rule.synchronize(self.party.w.copy())
+        """Compile the numba kernels (or run a network once) now, so that it never counts as training."""
+        self.part.warm_up()
 
     def stop(self) -> None:
         """End this party's threads once every party is done (call after a control-plane barrier).
@@ -375,7 +378,7 @@ class DataPlane:
         if isinstance(event, Requested):
             with self.node_lock:
                 self.schedule.request(event.root, event.rid, event.indices)
-            values = self.party.rule.products(self.party.w, event.indices)
+            values = self.part.contribute(event.indices)
             with self.node_lock:
                 step = self.node.start(event.root, event.rid, values)
                 self._started[(event.root, event.rid)] = time.monotonic()
@@ -402,12 +405,15 @@ class DataPlane:
             stopping = batch[-1] is None
             items = batch[:-1] if stopping else batch
             if items:
-                rows = np.concatenate([rows for _, rows, _ in items])
-                thetas = np.concatenate([thetas for _, _, thetas in items])
                 if self.apply_delay:
                     time.sleep(self.apply_delay)
                 started = time.perf_counter()
-                party.rule.apply(party.w, rows, thetas, writer=writer)
+                if self.part.merges_messages:
+                    self.part.step(np.concatenate([rows for _, rows, _ in items]),
+                                   np.concatenate([thetas for _, _, thetas in items]), writer)
+                else:  # a network: each message is one step of its own batch
+                    for _, rows, thetas in items:
+                        self.part.step(rows, thetas, writer)
                 self._straggle(started)
                 self._applied([source for source, _, _ in items])
             if stopping:
@@ -453,132 +459,7 @@ class DataPlane:
         for message in outgoing:
             self.transport.send(message.dest, message.buffer, AGGREGATION_TAG)
 
-    def aggregate(self, rows: np.ndarray) -> np.ndarray:
-        """ŵ·x_i for ``rows`` by Algorithm 1 rooted at this party (blocks only on this result)."""
-        return self.request(rows).get()
-
-    def request(self, rows: np.ndarray, theta: np.ndarray | None = None) -> queue.SimpleQueue[np.ndarray]:
-        """Start Algorithm 1 for ``rows`` rooted here; the scores arrive in the returned slot.
-
-        ``theta``, a held (ϑ, i) message (``--piggyback``), rides along with the announcements.
-        """
-        slot: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
-        with self.node_lock:
-            rid, announcements = self.node.announce(rows)
-            self.results[rid] = slot
-        if theta is None:
-            self._send_all(announcements)
-        else:
-            for message in announcements:
-                self.transport.send(message.dest, piggyback(theta, message.buffer), TAG_THETA_REQUEST)
-            announced = {message.dest for message in announcements}
-            self._broadcast_theta(theta, [r for r in range(self.q) if r != self.rank and r not in announced])
-        started = time.perf_counter()
-        values = self.party.rule.products(self.party.w, rows)
-        with self.node_lock:
-            step = self.node.start(self.rank, rid, values)
-            self._started[(self.rank, rid)] = time.monotonic()
-        self._straggle(started)
-        self._send_all(step.outgoing)
-        if isinstance(step.event, Completed):  # q = 1 never happens; kept exact for a leaf-less tree
-            self.results.pop(rid).put(step.event.result())
-        return slot
-
-    def dominate(self, n_steps: int, deadline: float | None = None) -> int:
-        """Run ``n_steps`` dominated updates (Alg. 2/4/6) of ``batch_size`` rows each; returns how many
-        were done.
-
-        Up to ``inflight`` aggregation requests are outstanding, each reading ŵ when it is served, so
-        link latency overlaps instead of adding up; the (ϑ, i) broadcasts still go out in request order,
-        numbered, and every party applies each exactly once. What it costs: a step's ŵ may miss the
-        updates of this dominator's ``inflight − 1`` previous steps, so the bounded delay τ of the
-        analysis grows by ``inflight − 1`` per dominator. The synchronous modes keep one step in flight
-        and wait for every collaborator's acknowledgement; ``sync-global`` also makes all dominators
-        take each step together. With ``piggyback`` each step's (ϑ, i) waits for the next request and
-        rides inside it (docs/runtime.md); when no request follows it goes alone at once.
-        """
-        party = self.party
-        assert party.problem is not None and party.y is not None
-        rows = (self.sampler.integers(0, party.block.n_rows, size=(n_steps, self.batch_size))
-                if self._batches is None else self._batches.take(n_steps))
-        others = [r for r in range(self.q) if r != self.rank]
-        pending: collections.deque[tuple[np.ndarray, queue.SimpleQueue[np.ndarray]]] = collections.deque()
-        issued = done = 0
-        held: np.ndarray | None = None  # --piggyback: the last step's (ϑ, i), waiting for a request
-        while done < n_steps:
-            while issued < n_steps and len(pending) < self.inflight and self._may_start(issued, deadline):
-                pending.append((rows[issued], self.request(rows[issued], held)))
-                held = None
-                issued += 1
-            if held is not None:  # no request to ride on: it goes alone, now
-                self._broadcast_theta(held, others)
-                held = None
-            if not pending:
-                break
-            step_rows, slot = pending.popleft()
-            thetas = np.asarray(party.problem.theta(slot.get(), party.y[step_rows]), dtype=np.float64)
-            if self._noise_std:  # --epsilon: ϑ̃, for every party (label_plane.LabelPlane.setup_noise)
-                thetas = self.label.perturb(thetas)
-            if self.dispatch:
-                if self.synchronous and others:
-                    self.max_unacked = max(self.max_unacked, self.sent - int(self.acked[others].min()))
-                held = self._dispatch(step_rows, thetas, others)
-            started = time.perf_counter()
-            party.rule.apply(party.w, step_rows, thetas, writer=0)
-            self._straggle(started)
-            if self.synchronous and self.dispatch:
-                self._await_acks(others)
-            done += 1
-        if held is not None:
-            self._broadcast_theta(held, others)
-        return done
-
-    def _await_acks(self, others: list[int]) -> None:
-        """Sync modes: every other party has acknowledged every (ϑ, i) sent so far. A party's worker may
-        be behind another dominator's stream first: level 1."""
-        since = time.monotonic()
-        with self.acked_cond:
-            while (late := [p for p in others if self.acked[p] < self.sent]):
-                self.liveness.check(late, since, f"its acknowledgement of (ϑ, i) #{self.sent - 1}", level=1)
-                self.acked_cond.wait(TICK)
-
-    def _dispatch(self, rows: np.ndarray, thetas: np.ndarray, others: list[int]) -> np.ndarray | None:
-        """Step ``sent``'s (ϑ, i) to every other party (passive ones get it encrypted under ``--label-privacy
-        he``), or, with ``piggyback``, held back for the next request: returned."""
-        buf = pack(self.sent, rows, thetas)
-        if self._he_passive and not self.synchronous:  # a passive party's backlog stays bounded
-            self.label.await_answers(self.sent - HE_AHEAD)
-        sealed = (self.label.encrypt_batch(self.sent, rows, self.party.rule.summed_values(rows, thetas))
-                  if self._he_passive else None)
-        self.sent += 1
-        if self.piggyback:
-            return buf
-        for dest in others:
-            if sealed is not None and dest not in self.active_ranks:
-                self.transport.send(dest, sealed, TAG_HE_BATCH)
-            else:
-                self.transport.send(dest, buf, TAG_THETA)
-        return None
-
-    def _broadcast_theta(self, message: np.ndarray, dests: list[int]) -> None:
-        for dest in dests:
-            self.transport.send(dest, message, TAG_THETA)
-
-    def _may_start(self, step: int, deadline: float | None) -> bool:
-        """Whether to start another step: within the time budget, and under ``sync-global`` only when
-        every dominator starts it too (one agreement per step: they stop together)."""
-        go = deadline is None or step % 64 != 0 or time.perf_counter() <= deadline
-        return self.control.agree(go) if self._lockstep else go
-
     # ---------------------------------------------------------------------------------- main thread
-
-    def finish_segment(self) -> None:
-        """Tell every other party that this dominator is done with the segment, and how many (ϑ, i)
-        it has broadcast so far (they wait for exactly that many before the barrier)."""
-        buf = np.array([self.segment + 1, self.sent], dtype=np.int64)
-        for dest in range(self.q):
-            if dest != self.rank:
-                self.transport.send(dest, buf, TAG_DONE)
 
     def drain(self) -> None:
         """Global barrier: every dominator has finished the segment and every (ϑ, i) it sent has been
@@ -597,4 +478,4 @@ class DataPlane:
             self._drained = self.segment  # the next segment's DONE may come from now on
         self.transport.flush(self.liveness.exchange_level)
         self.control.barrier()
-        self.party.rule.synchronize(self.party.w)  # nothing writes now: bring every coordinate up to date
+        self.part.synchronize()  # nothing writes now: bring every coordinate up to date

@@ -36,7 +36,8 @@ cannot tell which child (if any) overflowed. (In clear, the count per child told
 Validation (the receive boundary): :meth:`AggregationNode.receive` checks every header field against
 what this node can expect (a known kind, a root in ``0..q - 1``, a sender that may send this kind, a
 request id that is new for a ``REQUEST`` and not yet finished nor absurdly far ahead for a tree sum, a
-payload of ``1..max_batch`` words, exactly ``batch`` where the job fixes it, that matches the other
+payload of ``1..max_batch`` words, exactly ``batch`` indices (``REQUEST``) or ``batch × width`` values
+(a partial sum of a k-wide contribution) where the job fixes them, that matches the other
 contributions) and raises
 :class:`~protocols.errors.ProtocolViolation` naming the sender otherwise. Children are checked against
 the tree as soon as the party has started the request.
@@ -223,11 +224,13 @@ class AggregationNode:
     def __init__(self, rank: int, size: int, tree_pairs: Sequence[TreePair], *,
                  masking: MaskingScheme | None = None, allow_leaky_q2: bool = False,
                  max_batch: int = DEFAULT_MAX_BATCH, roots: Collection[int] | None = None,
-                 max_open: int = MAX_OPEN_PER_ROOT, batch: int | None = None) -> None:
+                 max_open: int = MAX_OPEN_PER_ROOT, batch: int | None = None, width: int = 1) -> None:
         if max_batch < 1 or max_open < 1:
             raise ValueError(f"max_batch and max_open must be at least 1, got {max_batch} and {max_open}")
-        if batch is not None and not 1 <= batch <= max_batch:
-            raise ValueError(f"batch must be in 1..{max_batch}, got {batch}")
+        if width < 1:
+            raise ValueError(f"width must be at least 1, got {width}")
+        if batch is not None and not 1 <= batch <= max_batch // width:
+            raise ValueError(f"batch must be in 1..{max_batch // width}, got {batch}")
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not a party of 0..{size - 1}")
         if len(tree_pairs) != size:
@@ -262,6 +265,9 @@ class AggregationNode:
         #: is its root's fault, a partial sum of another length its sender's. Without it, a root that
         #: sent REQUESTs of different lengths got the honest party whose sum disagreed blamed.
         self.batch = batch
+        #: values per row of a partial sum (a network's cut layer k; 1 for w·x): a request for B rows
+        #: names B indices and sums B·width values
+        self.width = width
         if not self.roots <= set(range(size)):
             raise ValueError(f"roots {sorted(self.roots)} are not all parties of 0..{size - 1}")
 
@@ -356,9 +362,12 @@ class AggregationNode:
         payload = buffer.size - HEADER_WORDS
         if payload > self.max_batch:
             raise ProtocolViolation(source, what, f"{payload} values exceed the limit of {self.max_batch}")
-        if self.batch is not None and payload != self.batch:
-            raise ProtocolViolation(source, what, f"{payload} values where every request of this job has "
-                                    f"{self.batch}")
+        if self.batch is not None:
+            expected = self.batch if code == _REQUEST else self.batch * self.width
+            if payload != expected:
+                noun = "request" if code == _REQUEST else "partial sum"
+                raise ProtocolViolation(source, what, f"{payload} values where every {noun} of this job "
+                                        f"has {expected}")
         if code == _REQUEST:
             return self._on_request(source, root, rid, aux, buffer, n_rows)
         return self._on_tree_sum(source, code, root, rid, buffer, what, payload)

@@ -49,9 +49,10 @@ class DispatchError(ProtocolViolation):
 
 
 def pack(seq: int, rows: np.ndarray, thetas: np.ndarray) -> np.ndarray:
-    """The wire buffer of one broadcast: ``[seq, B, rows..., thetas...]`` as float64."""
+    """The wire buffer of one broadcast: ``[seq, B, rows..., thetas...]`` as float64; ``thetas`` holds
+    B·k values, each row's k together (``vertical/nn/messages.py``'s layout; k = 1 for VFB²)."""
     b = rows.size
-    buf = np.empty(2 + 2 * b, dtype=np.float64)
+    buf = np.empty(2 + b + thetas.size, dtype=np.float64)
     buf[0] = seq
     buf[1] = b
     buf[2:2 + b] = rows
@@ -93,14 +94,17 @@ class Inbox:
     """Collaborator side: validates every (ϑ, i) message, checks sequence numbers per source, counts.
 
     ``n_rows`` (this party's number of training rows) may be given here or per :meth:`unpack` call;
-    ``max_batch`` bounds B.
+    ``max_batch`` bounds B; ``width`` is the k of each row's ϑ (a network's cut layer; 1 for VFB²'s
+    scalar ϑ), fixed by the job, so a message of B rows has exactly ``2 + B + B·width`` words.
     """
 
-    def __init__(self, n_sources: int, n_rows: int | None = None, *, max_batch: int = MAX_BATCH) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+    def __init__(self, n_sources: int, n_rows: int | None = None, *, max_batch: int = MAX_BATCH,
+                 width: int = 1) -> None:
+        if max_batch < 1 or width < 1:
+            raise ValueError(f"max_batch and width must be at least 1, got {max_batch} and {width}")
         self.n_rows = n_rows
         self.max_batch = max_batch
+        self.width = width
         self.received = np.zeros(n_sources, dtype=np.int64)
         #: per source: the last ``DONE`` count it announced
         self.announced = np.zeros(n_sources, dtype=np.int64)
@@ -129,10 +133,11 @@ class Inbox:
         if b is None or not 1 <= b <= self.max_batch:
             raise DispatchError(source, _WHAT, f"batch size B = {float(buf[1])!r} is not an integer in "
                                                f"1..{self.max_batch}")
-        if buf.size != 2 + 2 * b:
-            kind = "truncated" if buf.size < 2 + 2 * b else "over-long"
+        expected = 2 + b + b * self.width
+        if buf.size != expected:
+            kind = "truncated" if buf.size < expected else "over-long"
             raise DispatchError(source, _WHAT, f"{buf.size} words for B = {b} is {kind} (expected "
-                                               f"exactly {2 + 2 * b})")
+                                               f"exactly {expected})")
         rows, thetas = buf[2:2 + b], buf[2 + b:]
         if b <= _SCALAR_BATCH:  # the B = 1 hot path: Python floats beat a handful of numpy calls
             for row in rows.tolist():

@@ -1,0 +1,152 @@
+"""The dominated loop of an active party (Alg. 2/4/6): requests, ϑ, the (ϑ, i) dispatch, its own step.
+
+A mixin of :class:`~parties.data_plane.DataPlane` (the plane's state, threads and transport are its),
+kept apart so that what the main thread of a label holder does during a segment reads in one place.
+What a party computes with is its part (``self.part``, :mod:`parties.party_model`): a linear
+block (``w·x``, k = 1) or a network (k values a row), so the same loop drives both.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import time
+
+import numpy as np
+
+from parties.label_plane import HE_AHEAD
+from parties.messages import TAG_DONE, TAG_HE_BATCH, TAG_THETA, TAG_THETA_REQUEST
+from protocols.aggregation import Completed
+from protocols.dispatch import pack, piggyback
+
+#: Longest a thread waiting on a peer sleeps before it looks at its deadline again (seconds).
+TICK = 0.05
+
+
+class DominatedLoop:
+    """The active party's side of a segment; mixed into :class:`~parties.data_plane.DataPlane`."""
+
+    def aggregate(self, rows: np.ndarray) -> np.ndarray:
+        """ŵ·x_i for ``rows`` by Algorithm 1 rooted at this party (blocks only on this result)."""
+        return self.request(rows).get()
+
+    def request(self, rows: np.ndarray, theta: np.ndarray | None = None) -> queue.SimpleQueue[np.ndarray]:
+        """Start Algorithm 1 for ``rows`` rooted here; the scores arrive in the returned slot.
+
+        ``theta``, a held (ϑ, i) message (``--piggyback``), rides along with the announcements.
+        """
+        slot: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        with self.node_lock:
+            rid, announcements = self.node.announce(rows)
+            self.results[rid] = slot
+        if theta is None:
+            self._send_all(announcements)
+        else:
+            for message in announcements:
+                self.transport.send(message.dest, piggyback(theta, message.buffer), TAG_THETA_REQUEST)
+            announced = {message.dest for message in announcements}
+            self._broadcast_theta(theta, [r for r in range(self.q) if r != self.rank and r not in announced])
+        started = time.perf_counter()
+        values = self.part.contribute(rows)
+        with self.node_lock:
+            step = self.node.start(self.rank, rid, values)
+            self._started[(self.rank, rid)] = time.monotonic()
+        self._straggle(started)
+        self._send_all(step.outgoing)
+        if isinstance(step.event, Completed):  # q = 1 never happens; kept exact for a leaf-less tree
+            self.results.pop(rid).put(step.event.result())
+        return slot
+
+    def dominate(self, n_steps: int, deadline: float | None = None) -> int:
+        """Run ``n_steps`` dominated updates (Alg. 2/4/6) of ``batch_size`` rows each; returns how many
+        were done.
+
+        Up to ``inflight`` aggregation requests are outstanding, each reading ŵ when it is served, so
+        link latency overlaps instead of adding up; the (ϑ, i) broadcasts still go out in request order,
+        numbered, and every party applies each exactly once. What it costs: a step's ŵ may miss the
+        updates of this dominator's ``inflight − 1`` previous steps, so the bounded delay τ of the
+        analysis grows by ``inflight − 1`` per dominator. The synchronous modes keep one step in flight
+        and wait for every collaborator's acknowledgement; ``sync-global`` also makes all dominators
+        take each step together. With ``piggyback`` each step's (ϑ, i) waits for the next request and
+        rides inside it (docs/runtime.md); when no request follows it goes alone at once.
+        """
+        party = self.party
+        assert party.active, "only a label holder dominates"
+        rows = (self.sampler.integers(0, party.block.n_rows, size=(n_steps, self.batch_size))
+                if self._batches is None else self._batches.take(n_steps))
+        others = [r for r in range(self.q) if r != self.rank]
+        pending: collections.deque[tuple[np.ndarray, queue.SimpleQueue[np.ndarray]]] = collections.deque()
+        issued = done = 0
+        held: np.ndarray | None = None  # --piggyback: the last step's (ϑ, i), waiting for a request
+        while done < n_steps:
+            while issued < n_steps and len(pending) < self.inflight and self._may_start(issued, deadline):
+                pending.append((rows[issued], self.request(rows[issued], held)))
+                held = None
+                issued += 1
+            if held is not None:  # no request to ride on: it goes alone, now
+                self._broadcast_theta(held, others)
+                held = None
+            if not pending:
+                break
+            step_rows, slot = pending.popleft()
+            thetas = self.part.theta(slot.get(), step_rows)  # B·k values, each row's k together
+            if self._noise_std:  # --epsilon: ϑ̃, for every party (label_plane.LabelPlane.setup_noise)
+                thetas = self.label.perturb(thetas)
+            if self.dispatch:
+                if self.synchronous and others:
+                    self.max_unacked = max(self.max_unacked, self.sent - int(self.acked[others].min()))
+                held = self._dispatch(step_rows, thetas, others)
+            started = time.perf_counter()
+            self.part.step(step_rows, thetas, writer=0)
+            self._straggle(started)
+            if self.synchronous and self.dispatch:
+                self._await_acks(others)
+            done += 1
+        if held is not None:
+            self._broadcast_theta(held, others)
+        return done
+
+    def _await_acks(self, others: list[int]) -> None:
+        """Sync modes: every other party has acknowledged every (ϑ, i) sent so far. A party's worker may
+        be behind another dominator's stream first: level 1."""
+        since = time.monotonic()
+        with self.acked_cond:
+            while (late := [p for p in others if self.acked[p] < self.sent]):
+                self.liveness.check(late, since, f"its acknowledgement of (ϑ, i) #{self.sent - 1}", level=1)
+                self.acked_cond.wait(TICK)
+
+    def _dispatch(self, rows: np.ndarray, thetas: np.ndarray, others: list[int]) -> np.ndarray | None:
+        """Step ``sent``'s (ϑ, i) to every other party (passive ones get it encrypted under ``--label-privacy
+        he``), or, with ``piggyback``, held back for the next request: returned."""
+        buf = pack(self.sent, rows, thetas)
+        if self._he_passive and not self.synchronous:  # a passive party's backlog stays bounded
+            self.label.await_answers(self.sent - HE_AHEAD)
+        sealed = (self.label.encrypt_batch(self.sent, rows, self.party.rule.summed_values(rows, thetas))
+                  if self._he_passive else None)
+        self.sent += 1
+        if self.piggyback:
+            return buf
+        for dest in others:
+            if sealed is not None and dest not in self.active_ranks:
+                self.transport.send(dest, sealed, TAG_HE_BATCH)
+            else:
+                self.transport.send(dest, buf, TAG_THETA)
+        return None
+
+    def _broadcast_theta(self, message: np.ndarray, dests: list[int]) -> None:
+        for dest in dests:
+            self.transport.send(dest, message, TAG_THETA)
+
+    def _may_start(self, step: int, deadline: float | None) -> bool:
+        """Whether to start another step: within the time budget, and under ``sync-global`` only when
+        every dominator starts it too (one agreement per step: they stop together)."""
+        go = deadline is None or step % 64 != 0 or time.perf_counter() <= deadline
+        return self.control.agree(go) if self._lockstep else go
+
+    def finish_segment(self) -> None:
+        """Tell every other party that this dominator is done with the segment, and how many (ϑ, i)
+        it has broadcast so far (they wait for exactly that many before the barrier)."""
+        buf = np.array([self.segment + 1, self.sent], dtype=np.int64)
+        for dest in range(self.q):
+            if dest != self.rank:
+                self.transport.send(dest, buf, TAG_DONE)
