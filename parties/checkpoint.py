@@ -51,6 +51,15 @@ class Checkpoint:
     gamma: float | None = None
     #: the dominator's row sampler (:func:`sampler_words`; None: not kept, or a passive party)
     sampler: np.ndarray | None = None
+    #: ``--model mlp``: the party's network (and the top's) state as named arrays (:data:`NETWORK`)
+    network: dict[str, np.ndarray] | None = None
+
+
+#: The prefix of a network's arrays in a party file (``net/bottom/param/0.weight``, ...)
+NETWORK = "net/"
+#: What a party's network may hold in its file (each array's shape) and must hold (its parameters):
+#: ``parties.party_model.NetworkPart.state_shapes``
+NetworkShapes = tuple[dict[str, tuple[int, ...]], set[str]]
 
 
 #: the PCG64 state as words: state and increment (128 bits each, high word first), the cached-half flag
@@ -111,7 +120,8 @@ def atomic_write(path: Path, write) -> None:
 
 def save_checkpoint(out: str | Path, rank: int, w: np.ndarray, epochs: float, train_time: float,
                     updates: int, keep: float | None = None, gamma: float | None = None,
-                    sampler: np.ndarray | None = None) -> Path:
+                    sampler: np.ndarray | None = None, network: dict[str, np.ndarray] | None = None
+                    ) -> Path:
     """Write this party's block for the epoch just finished without losing the last marked one.
 
     ``keep`` is the last epoch the leader marked complete (``None``: none of this run yet). The newest
@@ -126,6 +136,8 @@ def save_checkpoint(out: str | Path, rank: int, w: np.ndarray, epochs: float, tr
     extra = {} if gamma is None else {"gamma": gamma}
     if sampler is not None:
         extra["sampler"] = sampler
+    for name, value in (network or {}).items():
+        extra[NETWORK + name] = value
     atomic_write(path, lambda fh: np.savez(fh, w=w, epochs=epochs, train_time=train_time, updates=updates,
                                            **extra))
     return path
@@ -201,10 +213,12 @@ def _no_constant(name: str) -> float:
     raise ValueError(f"{name} is no epoch count")
 
 
-def _read(path: Path, n_features: int | None = None) -> tuple[dict[str, np.ndarray], tuple[int, ...]]:
+def _read(path: Path, n_features: int | None = None, network: NetworkShapes | None = None
+          ) -> tuple[dict[str, np.ndarray], tuple[int, ...]]:
     """A party file's counters, and its block when it has ``n_features`` weights (else not read), with
-    the block's shape. No pickles, and no array is read before its header says it is the size it
-    should be (a planted file could announce gigabytes); any damage is a ``ValueError`` naming it."""
+    the block's shape; with ``network`` (each array's name and shape), the network's arrays too, exactly
+    those. No pickles, and no array is read before its header says it is the size it should be (a
+    planted file could announce gigabytes); any damage is a ``ValueError`` naming it."""
     try:
         with np.load(path, allow_pickle=False) as z:
             for key in ("epochs", "train_time", "updates"):
@@ -222,9 +236,34 @@ def _read(path: Path, n_features: int | None = None) -> tuple[dict[str, np.ndarr
             shape = npz_member_shape(z, "w")
             if n_features is not None and shape == (n_features,):
                 arrays["w"] = z["w"]
+            if network is not None:
+                arrays.update(_network_arrays(z, network))
             return arrays, shape
     except (OSError, KeyError, EOFError, ValueError) as exc:
         raise ValueError(f"{path} is damaged ({exc})") from None
+
+
+def _network_arrays(z: np.lib.npyio.NpzFile, network: NetworkShapes
+                    ) -> dict[str, np.ndarray]:
+    """The network's arrays of a party file: names this party's network may hold (``network[0]``, with
+    their shapes), every one it must (``network[1]``, its parameters), each of its shape."""
+    allowed, required = network
+    held = {name[len(NETWORK):] for name in z.files if name.startswith(NETWORK)}
+    if not required <= held <= set(allowed):
+        missing, extra = sorted(required - held), sorted(held - set(allowed))
+        raise ValueError(f"its network differs from this party's (missing {missing[:3]}, unexpected "
+                         f"{extra[:3]}): was the run trained with other --bottom/--top?")
+    arrays = {}
+    for name in sorted(held):
+        shape = allowed[name]
+        if npz_member_shape(z, NETWORK + name) != tuple(shape):
+            raise ValueError(f"its network's {name} has shape {npz_member_shape(z, NETWORK + name)}, this "
+                             f"party's has {tuple(shape)}")
+        value = z[NETWORK + name]
+        if value.dtype.kind not in "iuf" or not np.all(np.isfinite(value)):
+            raise ValueError(f"its network's {name} is not finite numbers")
+        arrays[NETWORK + name] = value
+    return arrays
 
 
 def npz_member_shape(z: np.lib.npyio.NpzFile, key: str) -> tuple[int, ...]:
@@ -246,9 +285,10 @@ def _scalar(z: dict[str, np.ndarray], key: str, path: Path) -> float | int:
     return a.item()
 
 
-def _restored(path: Path, rank: int, n_features: int, epochs: float) -> Checkpoint:
+def _restored(path: Path, rank: int, n_features: int, epochs: float,
+              network: NetworkShapes | None = None) -> Checkpoint:
     """The block and counters of a party file whose epoch matched, each checked before use."""
-    z, shape = _read(path, n_features)
+    z, shape = _read(path, n_features, network)
     if shape != (n_features,):
         raise ValueError(f"party {rank}: checkpoint {path} has a block of shape {shape}, "
                          f"this party holds {n_features} features")
@@ -270,8 +310,10 @@ def _restored(path: Path, rank: int, n_features: int, epochs: float) -> Checkpoi
     sampler = z.get("sampler")
     if sampler is not None:
         sampler_from_words(sampler, str(path))  # refused here, before any rank trains from it
+    held = (None if network is None
+            else {name[len(NETWORK):]: value for name, value in z.items() if name.startswith(NETWORK)})
     return Checkpoint(w, epochs, float(train_time), int(updates), None if gamma is None else float(gamma),
-                      sampler)
+                      sampler, held)
 
 
 def _epochs_in(path: Path) -> float | None:
@@ -282,9 +324,11 @@ def _epochs_in(path: Path) -> float | None:
         return None
 
 
-def load_checkpoint(folder: str | Path, rank: int, n_features: int, epochs: float) -> Checkpoint:
+def load_checkpoint(folder: str | Path, rank: int, n_features: int, epochs: float,
+                    network: NetworkShapes | None = None) -> Checkpoint:
     """This party's block of the complete epoch ``epochs`` (the leader's :func:`complete_epochs`) from
-    its own folder; stale temporary files there are removed. A file that is unreadable or holds another
+    its own folder (with ``network``, the names and shapes of its network's arrays: those are read
+    too); stale temporary files there are removed. A file that is unreadable or holds another
     epoch is passed over (the other may hold it); the one that holds it is checked whole."""
     epochs = _finite_epochs(epochs, f"party {rank}: the complete epoch to resume from")
     for stale in Path(folder).glob(f"party-{rank}.*.tmp"):
@@ -299,6 +343,6 @@ def load_checkpoint(folder: str | Path, rank: int, n_features: int, epochs: floa
             damaged.append(str(exc))
             continue
         if abs(held - epochs) <= 1e-9:
-            return _restored(path, rank, n_features, epochs)
+            return _restored(path, rank, n_features, epochs, network)
     raise FileNotFoundError(f"party {rank}: no checkpoint of the complete epoch {epochs:g} in {folder}"
                             + "".join(f"; {why}" for why in damaged))

@@ -43,6 +43,12 @@ HE_KEY_BITS = (2048, 3072, 4096)
 #: --standardize: scale each column by its root mean square, centre and scale it, or neither.
 STANDARDIZE = STANDARDIZE_MODES
 
+#: --model: VFB²'s linear model, or a network per party (vertical/nn, parties/party_model.py).
+MODELS = ("linear", "mlp")
+#: --model mlp's networks by default: two layers per party to a cut layer of 16, one hidden top layer.
+DEFAULT_BOTTOM = "*-64-16"
+DEFAULT_TOP = "*-*"
+
 #: Largest mini-batch: one step's (ϑ, i) message and aggregation request must fit the runtime's
 #: receive buffer (``parties.runtime.MAX_MESSAGE_WORDS``).
 MAX_BATCH = 4000
@@ -272,6 +278,17 @@ class RunConfig:
     allow_two_parties: bool = option(
         False, "--allow-two-parties",
         help="accept q = 2, where the aggregate reveals the other party's partial products")
+    model: str = option("linear", "--model", choices=MODELS,
+                        help="linear: VFB²'s linear model (the paper's); mlp: each party's own network "
+                             "(--bottom), summed by the secure aggregation, and a top network with the "
+                             "loss at the label holder (docs/vertical-networks.md; torch, -m 1, sgd)")
+    bottom: str = option(DEFAULT_BOTTOM, "--bottom", metavar="SPEC[,SPEC...]",
+                         help="--model mlp: each party's network as layer widths, '*' first for its "
+                              "columns, the last (k, the cut layer) the same at every party; one spec "
+                              "for all or one per party, comma-separated in rank order")
+    top: str = option(DEFAULT_TOP, "--top", metavar="SPEC",
+                      help="--model mlp: the label holder's top network from k to the logit ('*' "
+                           "stands for either end); one width (e.g. '1' with k = 1) is the identity")
     audit: bool = option(False, "--audit", budget=True,
                          help="each party records every message it receives to audit-<rank>.npz in its "
                               "own folder (--party-dir, default --out)")
@@ -342,6 +359,10 @@ def validate(config: RunConfig) -> RunConfig:
     _check_algorithm(config)
     _check_stopping(config)
     _check_label_privacy(config)
+    if config.model != "linear":
+        from parties.model_options import check_network_options
+
+        check_network_options(config)
     if config.channel_keys is not None and not config.secure_channels:
         raise ConfigError("--channel-keys needs --secure-channels")
     return config

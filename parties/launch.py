@@ -126,7 +126,8 @@ def prepare(options: RunConfig, *, given: frozenset[str] | None = None, echo: bo
     out = run_folder(plan)  # named after the resolved dataset (news20-standin, not news20)
     plan = dataclasses.replace(plan, out=str(out))
     if (options.reference and options.f_star is None and options.party_files is None
-            and options.label_privacy == "none"):  # dp|he: a deployment's launcher has no pooled labels
+            and options.label_privacy == "none"  # dp|he: a deployment's launcher has no pooled labels
+            and options.model == "linear"):  # a network has no convex optimum to compare with
         plan = dataclasses.replace(plan, f_star=reference_f_star(plan))
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -51,13 +51,18 @@ def load_party(config: JobPlan, rank: int) -> PartyState:
     gamma = config.gamma if config.gamma is not None else math.nan
     rule = rule_cls(block, problem.regularizer, problem.lam, gamma, **options)
     has_test = X_test is not None and X_test.shape[0] > 0
-    return PartyState(
+    state = PartyState(
         rank=rank, block=block, w=np.zeros(block.n_cols), rule=rule,
         problem=problem if active else None,
         y=None if y_train is None else np.asarray(y_train, dtype=np.float64),
         test_block=Block.from_matrix(X_test) if has_test else None,
         y_test=None if y_test is None or not has_test else np.asarray(y_test, dtype=np.float64),
         ids_digest=ids_digest(train_ids, test_ids), train_ids=train_ids, test_ids=test_ids)
+    if config.model != "linear":
+        from parties.party_model import attach_network
+
+        attach_network(config, state, X_train)
+    return state
 
 
 #: The names of a party's CSV file (``vfl align`` writes ``party-<p>.csv``).

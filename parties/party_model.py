@@ -85,10 +85,73 @@ class NetworkPart:
     def warm_up(self) -> None:
         self.contribute(np.zeros(1, dtype=np.int64))
 
+    def embed(self, X) -> np.ndarray:
+        """``h_l(x)`` of every row of ``X`` (its own columns), ``(n, k)``: evaluation and prediction."""
+        with self.lock:
+            return self.model.embed(X)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The network's (and the top's) parameters and optimiser state, as named arrays: a checkpoint."""
+        with self.lock:
+            state = {f"bottom/{name}": value for name, value in self.model.state_dict().items()}
+        if self.top is not None:
+            state.update({f"top/{name}": value for name, value in self.top.state_dict().items()})
+        return state
+
+    def state_shapes(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+        """The arrays a checkpoint of this part may hold, with their shapes, and those it must hold (the
+        parameters: an optimiser's state exists only once it has stepped)."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for prefix, model in (("bottom/", self.model), ("top/", self.top)):
+            if model is None:
+                continue
+            for index, (name, p) in enumerate(model.net.named_parameters()):
+                shapes[f"{prefix}param/{name}"] = tuple(p.shape)
+                for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+                    shapes[f"{prefix}optim/{index}/{key}"] = tuple(p.shape)
+                shapes[f"{prefix}optim/{index}/step"] = ()
+        return shapes, {name for name in shapes if "/param/" in name}
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore :meth:`state` (names and shapes checked, one line on a mismatch)."""
+        with self.lock:
+            self.model.load_state_dict(_prefixed(state, "bottom/"))
+        if self.top is not None:
+            self.top.load_state_dict(_prefixed(state, "top/"))
+
     def synchronize(self) -> None:
         """A network's steps are applied whole: nothing to bring up to date."""
+
+
+def _prefixed(state: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    return {name[len(prefix):]: value for name, value in state.items() if name.startswith(prefix)}
 
 
 def part_of(party) -> LinearPart | NetworkPart:
     """The part the runtime drives for ``party``: its network when it has one, else its linear block."""
     return NetworkPart(party) if getattr(party, "network", None) is not None else LinearPart(party)
+
+
+def attach_network(config, party, X_train) -> None:
+    """``--model mlp``: give ``party`` its network (its ``--bottom`` spec, seeded ``seed + rank``) and, at
+    the label holder, the top (seeded ``seed + q``, as :func:`vertical.nn.networks.build_split_network`
+    seeds them) and the labels as class indices. torch runs on the threads the launcher gave this rank
+    (``parties/threads.py``), one by default beside the other ranks."""
+    import torch
+
+    from parties.model_options import bottom_specs, network_step
+    from parties.threads import configured
+    from vertical.nn.networks import MLPBottom, MLPTop, OptimizerSpec
+
+    torch.set_num_threads(configured() or 1)
+    optimizer = OptimizerSpec("adam", lr=network_step(config.gamma), weight_decay=config.lam)
+    spec = bottom_specs(config.bottom, config.parties)[party.rank]
+    try:
+        party.network = MLPBottom(X_train, spec, optimizer=optimizer, seed=config.seed + party.rank)
+        if party.y is not None:
+            party.top = MLPTop(config.top, 2, k=party.network.k, optimizer=optimizer,
+                               seed=config.seed + config.parties)
+    except ValueError as err:
+        raise ValueError(f"party {party.rank}: {err}") from None
+    if party.y is not None:
+        party.classes = (party.y > 0).astype(np.int64)

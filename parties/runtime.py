@@ -98,6 +98,11 @@ class PartyState:
     #: the sample ids of its train and test rows, in row order (``vfl predict`` keys its output by them)
     train_ids: np.ndarray | None = None
     test_ids: np.ndarray | None = None
+    #: ``--model mlp``: this party's network (a :class:`~vertical.nn.base.PartyModel`, in place of ``w``),
+    #: and at the label holder the top network with the loss and the labels as class indices
+    network: object | None = None
+    top: object | None = None
+    classes: np.ndarray | None = None
 
     @property
     def active(self) -> bool:
@@ -168,6 +173,11 @@ class PartyRuntime:
         self.plane.drain()
 
     @property
+    def part(self):
+        """What this party computes with (``parties/party_model.py``): its linear block or its network."""
+        return self.plane.part
+
+    @property
     def transport(self):
         return self.plane.transport
 
@@ -209,6 +219,16 @@ class PartyRuntime:
         X = block.to_csr()
         indices = np.arange(X.shape[0]) if self.rank == root else None
         return self.aggregator.inner_product(self.party.w, X, indices, root=root)
+
+    def full_embeddings(self, test: bool = False, root: int = 0) -> np.ndarray | None:
+        """``z_i = Σ_l h_l(x_i)``, ``(n, k)``, for every training (or test) row at ``root`` (``--model
+        mlp``): each party's network on its own rows, summed by the secure aggregation, so no party sees
+        another's embeddings."""
+        block = self.party.test_block if test else self.party.block
+        assert block is not None
+        part = self.plane.part
+        total = self.aggregator.sum(part.embed(block.to_csr()).ravel(), root=root)
+        return None if total is None else total.reshape(-1, part.k)
 
     def full_theta(self, root: int = 0) -> np.ndarray:
         """The n-vector ϑ at the current w, computed at the leader and given to every party."""

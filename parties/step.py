@@ -21,6 +21,10 @@ from vertical.step_size import block_smoothness, default_gamma
 def choose_gamma(runtime: PartyRuntime, config: JobPlan, kept: float | None = None) -> float:
     """The run's base step γ, set on this party's rule (collective unless ``--gamma`` is a number).
     ``kept``: the step a resumed run's checkpoint holds, used in place of the derived one."""
+    if runtime.party.network is not None:  # Adam's step (parties/model_options.py): nothing to derive
+        from parties.model_options import network_step
+
+        return network_step(config.gamma)
     if config.gamma is not None:
         gamma = config.gamma
     else:

@@ -164,7 +164,8 @@ class _Trainer:
             record = self._evaluate()
             save_checkpoint(self.folder, self.rank, party.w, self.epochs, self.train_time, self.updates,
                             keep=self.marked, gamma=self.gamma,
-                            sampler=sampler_words(self.rt.sampler) if party.active else None)
+                            sampler=sampler_words(self.rt.sampler) if party.active else None,
+                            network=None if party.network is None else self.rt.part.state())
             self.rt.barrier()  # every party has written this epoch's block: it is complete
             if self.rank == LEADER:
                 mark_complete(self.out, self.epochs)
@@ -183,8 +184,11 @@ class _Trainer:
         the base step the checkpoint holds (None in one written before it was kept)."""
         epochs = self._marked(complete_epochs(self.out) if self.rank == LEADER else 0.0)
         self.marked = epochs
-        ckpt = load_checkpoint(self.folder, self.rank, self.party.block.n_cols, epochs)
+        network = None if self.party.network is None else self.rt.part.state_shapes()
+        ckpt = load_checkpoint(self.folder, self.rank, self.party.block.n_cols, epochs, network)
         self.party.w[:] = ckpt.w
+        if ckpt.network is not None:
+            self.rt.part.load_state(ckpt.network)
         self.epochs, self.train_time, self.updates = ckpt.epochs, ckpt.train_time, ckpt.updates
         if ckpt.sampler is not None and self.party.active:  # the rows the run would have drawn next
             self.rt.sampler = sampler_from_words(ckpt.sampler, "this party's checkpoint")
@@ -284,8 +288,10 @@ class _Trainer:
         shown = ", ".join(f"{k} {v:.6g}" for k, v in record.items()
                           if k in ("loss", "suboptimality", "test_accuracy", "test_rmse"))
         data = self._data_name()
-        chosen = "derived from the data" if c.gamma is None else "--gamma"
-        print(f"VFB²-{c.algorithm} ({c.mode}) on {data}, "
+        chosen = "--gamma" if c.gamma is not None else ("derived from the data" if c.model == "linear"
+                                                         else "Adam's default")
+        model = "" if c.model == "linear" else f" with networks {c.bottom} / top {c.top}"
+        print(f"VFB²-{c.algorithm}{model} ({c.mode}) on {data}, "
               f"q={c.parties}, m={c.active}, γ = {self.gamma:.4g} ({chosen}): {self.epochs:g} epochs, "
               f"{self.updates} dominated updates in "
               f"{self.train_time:.2f} s of training ({rate:,.0f}/s); {shown}.\n"
@@ -306,7 +312,7 @@ class _Trainer:
     def _worse_than_start(self, record: dict, outcome: Outcome) -> str | None:
         """The warning line when training ended above the loss of w = 0 (a diverged run has its own)."""
         problem, y = self.party.problem, self.party.y
-        if outcome is Outcome.DIVERGED or problem is None or y is None:
+        if outcome is Outcome.DIVERGED or problem is None or y is None or self.party.network is not None:
             return None
         start = float(np.mean(problem.loss.value(np.zeros_like(y), y)))  # every regularizer is 0 at w = 0
         if record["loss"] <= start:
@@ -331,6 +337,8 @@ class _Trainer:
 
     def _evaluate(self) -> dict | None:
         """f(w), f(w) − f*, test accuracy / RMSE at the leader; not counted as training time."""
+        if self.party.network is not None:
+            return self._log(self._evaluate_network())
         z = self.rt.full_scores(root=LEADER)
         reg = self.rt.regularizer_sum(root=LEADER)
         has_test = self.rt.broadcast_word(int(self.party.test_block is not None), root=LEADER)
@@ -349,6 +357,31 @@ class _Trainer:
         if z_test is not None:
             key = "test_accuracy" if problem.task == "binary" else "test_rmse"
             record[key] = _score(problem.task, z_test, self.party.y_test)
+        return self._log(record)
+
+    def _evaluate_network(self) -> dict | None:
+        """``--model mlp``: the training loss (mean log loss) and test accuracy of the top on the summed
+        embeddings, at the leader (parties/party_model.py)."""
+        z = self.rt.full_embeddings(root=LEADER)
+        has_test = self.rt.broadcast_word(int(self.party.test_block is not None), root=LEADER)
+        z_test = self.rt.full_embeddings(test=True, root=LEADER) if has_test else None
+        if self.rank != LEADER:
+            return None
+        top, classes = self.party.top, self.party.classes
+        assert z is not None and top is not None and classes is not None
+        chance = top.predict_proba(z)[np.arange(classes.size), classes]
+        loss = float(-np.mean(np.log(np.clip(chance, 1e-300, None))))
+        record: dict = {"epoch": round(self.epochs, 6), "time": round(self.train_time, 6),
+                        "updates": self.updates, "loss": loss}
+        if z_test is not None:
+            predicted = np.argmax(top.predict_proba(z_test), axis=1)
+            record["test_accuracy"] = float(np.mean(predicted == (self.party.y_test > 0)))
+        return record
+
+    def _log(self, record: dict | None) -> dict | None:
+        """The leader writes an evaluation to the metrics log and the progress bar."""
+        if record is None:
+            return None
         assert self.log is not None
         self.log.write(json.dumps(record) + "\n")
         self.log.flush()
