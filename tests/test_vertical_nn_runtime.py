@@ -1,0 +1,183 @@
+"""``vfl train --model mlp``: each party's network on the VFB² runtime (issue 28, phase 2).
+
+The wire carries k values a row (the aggregation node and the inbox check exactly B·k), a lock-step
+job is lock-step split learning exactly (the one-process simulator on the same batches, every
+parameter of every party), a resumed job goes on as if never stopped, the asynchronous modes train,
+and every option the network cannot keep is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parties.config import ConfigError, RunConfig, validate
+from parties.model_options import bottom_specs, cut_width
+from protocols.aggregation import AggregationNode, Kind
+from protocols.dispatch import DispatchError, Inbox, pack
+from protocols.errors import ProtocolViolation
+from protocols.trees import build_all_tree_pairs
+from tests.test_runtime import metrics, train
+
+NET = ["--model", "mlp", "--algorithm", "sgd", "-m", "1", "--dataset", "breast-cancer", "--standardize",
+       "off", "-B", "16", "--bottom", "*-8-4", "--top", "*-*"]
+
+
+def _net(**given) -> RunConfig:
+    return RunConfig(**{"model": "mlp", "algorithm": "sgd", "active": 1, "parties": 3, **given})
+
+
+# ------------------------------------------------------------------------------------ the wire
+
+
+def test_the_aggregation_node_takes_b_indices_and_b_times_k_values_a_partial_sum():
+    q, b, k, root = 3, 2, 4, 0
+    pairs = build_all_tree_pairs(q, 0)
+    child = pairs[root].t1.children[root][0]
+    at_a_party = AggregationNode(child, q, pairs, batch=b, width=k)
+    with pytest.raises(ProtocolViolation, match=f"party {root}.*8 values where every request of this job "
+                                                f"has 2"):
+        at_a_party.receive(root, np.array([int(Kind.REQUEST), root, 0, 0, *range(b * k)], dtype=np.uint64))
+    at_a_party.receive(root, np.array([int(Kind.REQUEST), root, 0, 0, 1, 2], dtype=np.uint64))
+    at_the_root = AggregationNode(root, q, pairs, batch=b, width=k)
+    with pytest.raises(ProtocolViolation, match=f"party {child}.*2 values where every partial sum of "
+                                                f"this job has 8"):
+        at_the_root.receive(child, np.array([int(Kind.MASKED), root, 0, 0, 0, 0], dtype=np.uint64))
+    at_the_root.receive(child, np.array([int(Kind.MASKED), root, 0, 0, *[0] * (b * k)], dtype=np.uint64))
+
+
+def test_the_inbox_takes_exactly_k_values_of_theta_a_row_and_refuses_a_non_finite_one():
+    inbox = Inbox(2, n_rows=10, width=3)
+    rows, thetas = inbox.unpack(1, pack(0, np.array([4, 5]), np.arange(6.0)))
+    assert rows.tolist() == [4, 5] and thetas.tolist() == list(np.arange(6.0))
+    with pytest.raises(DispatchError, match=r"party 1.*is truncated"):
+        inbox.unpack(1, pack(1, np.array([4, 5]), np.arange(2.0)))  # a scalar ϑ a row: k = 1's message
+    with pytest.raises(DispatchError, match="not finite"):
+        inbox.unpack(1, pack(1, np.array([4]), np.array([0.0, np.nan, 1.0])))
+
+
+# --------------------------------------------------------------------------------- the options
+
+
+def test_bottom_specs_are_one_for_all_or_one_per_party_ending_at_one_width():
+    assert bottom_specs("*-8-4", 3) == ["*-8-4"] * 3
+    assert bottom_specs("*-8-4, *-4, 10-16-4", 3) == ["*-8-4", "*-4", "10-16-4"]
+    assert cut_width("*-8-4, *-4, 10-16-4", 3) == 4
+    with pytest.raises(ValueError, match="2 specs for 3 parties"):
+        bottom_specs("*-4,*-4", 3)
+    with pytest.raises(ValueError, match="same width k"):
+        cut_width("*-4,*-4,*-5", 3)
+
+
+@pytest.mark.parametrize(("given", "why"), [
+    ({"algorithm": "svrg"}, "--algorithm sgd"),
+    ({"active": 2}, "-m 1"),
+    ({"problem": "least-squares"}, "binary classifier"),
+    ({"label_privacy": "he", "batch_size": 512}, "--label-privacy he"),
+    ({"gamma_decay": 0.5}, "--gamma-decay"),
+    ({"f_star": 0.1}, r"no f\*"),
+    ({"bottom": "*-8-4,*-8-4"}, "2 specs for 3 parties"),
+    ({"bottom": "*-8-*"}, r"'\*' only stands first"),
+    ({"top": "5-*"}, "first width must be 16"),
+    ({"bottom": "*-5000", "batch_size": 4000}, "at most k = 4096"),
+])
+def test_what_a_network_cannot_keep_is_refused_in_one_line(given, why):
+    with pytest.raises(ConfigError, match=why) as err:
+        validate(_net(**given))
+    assert "\n" not in str(err.value)
+
+
+def test_what_a_network_keeps_is_accepted():
+    for given in ({}, {"mode": "sync"}, {"mode": "sync-global"}, {"piggyback": True, "inflight": 4},
+                  {"secure_channels": True}, {"label_privacy": "dp", "epsilon": 2.0},
+                  {"bottom": "*-16-8,*-8,*-32-8", "top": "8-4-1"}, {"straggler": 2, "slowdown": 2.0}):
+        validate(_net(**given))
+
+
+# ------------------------------------------------------------------------------- real MPI jobs
+
+
+def _replayed_lock_step(out: Path, epochs: int) -> dict[str, dict[str, np.ndarray]]:
+    """What the job's parties hold after ``epochs`` of lock-step split learning in one process: each
+    rank's data and fresh network as the rank builds them (``parties.loading.load_party``), driven by
+    the simulator on the batches the job's dominator drew (its sampler, one call a segment)."""
+    from parties.loading import load_party
+    from parties.plan import JobPlan, segment_quota
+    from vertical.nn.simulate import simulate
+
+    plan = JobPlan.from_json((out / "config.json").read_text())
+    parties = [load_party(plan, rank) for rank in range(plan.parties)]
+    n = parties[0].block.n_rows
+    sampler = np.random.default_rng([plan.seed, 0])
+    quota = segment_quota(plan.options, 1.0, n)
+    schedule = [list(sampler.integers(0, n, size=(quota, plan.batch_size))) for _ in range(epochs)]
+    simulate([p.network for p in parties], parties[0].top, parties[0].classes, epochs=epochs,
+             batch_size=plan.batch_size, mode="sync", batches=lambda epoch, rng: schedule[epoch - 1])
+    held = {f"party-{p.rank}": p.network.state_dict() for p in parties}
+    held["top"] = parties[0].top.state_dict()
+    return held
+
+
+def _trained(out: Path, rank: int) -> dict[str, np.ndarray]:
+    with np.load(out / f"party-{rank}.ckpt.npz") as z:
+        return {name[len("net/"):]: z[name] for name in z.files if name.startswith("net/")}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["sync", "sync-global"])
+def test_a_lock_step_network_job_is_split_learning_on_the_same_batches(tmp_path, mode):
+    """Every parameter (and Adam's state) of every party's network and of the top, after 2 epochs of a
+    real 3-party job, equals the one-process lock-step simulation on the batches the job drew: the
+    secure sum of k-wide contributions, the k-wide (ϑ, i) dispatch and each party's step are split
+    learning exactly (to float32 rounding; the masked sum is exact to 2^-32)."""
+    train(tmp_path, *NET, "-n", "3", "--mode", mode, "--epochs", "2", "--seed", "3")
+    expected = _replayed_lock_step(tmp_path, epochs=2)
+    for rank in range(3):
+        held = _trained(tmp_path, rank)
+        bottom = {name[len("bottom/"):]: v for name, v in held.items() if name.startswith("bottom/")}
+        assert set(bottom) == set(expected[f"party-{rank}"])
+        for name, value in expected[f"party-{rank}"].items():
+            np.testing.assert_allclose(bottom[name], value, rtol=1e-4, atol=1e-5,
+                                       err_msg=f"party {rank} {name}")
+    top = {name[len("top/"):]: v for name, v in _trained(tmp_path, 0).items()
+           if name.startswith("top/")}
+    assert set(top) == set(expected["top"])
+    for name, value in expected["top"].items():
+        np.testing.assert_allclose(top[name], value, rtol=1e-4, atol=1e-5, err_msg=f"top {name}")
+
+
+@pytest.mark.mpi
+def test_a_resumed_network_job_ends_where_the_uninterrupted_one_does(tmp_path):
+    """Networks, Adam's moments and the dominator's sampler are in the checkpoints: 2 epochs, then 2
+    more resumed, end at the 4-epoch run's every parameter (lock-step, so the runs are deterministic)."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train(whole, *NET, "-n", "3", "--mode", "sync", "--epochs", "4")
+    train(resumed, *NET, "-n", "3", "--mode", "sync", "--epochs", "2")
+    proc = train(resumed, "--resume", "--epochs", "4")
+    assert "resuming from epoch 2" in proc.stdout
+    for rank in range(3):
+        a, b = _trained(whole, rank), _trained(resumed, rank)
+        assert set(a) == set(b) and any(name.startswith("bottom/optim/") for name in a)
+        for name in a:
+            np.testing.assert_allclose(b[name], a[name], rtol=1e-6, atol=1e-7,
+                                       err_msg=f"party {rank} {name}")
+    assert metrics(resumed)[-1]["loss"] == pytest.approx(metrics(whole)[-1]["loss"], rel=1e-6)
+
+
+@pytest.mark.mpi
+def test_an_asynchronous_network_job_with_per_party_networks_learns(tmp_path):
+    """q = 4, each organisation its own network (one spec per party), requests in flight and ϑ riding
+    on them: the job learns breast-cancer (a majority-class guess scores 0.63) and says what it ran."""
+    proc = train(tmp_path, *NET[:-4], "--bottom", "*-8-4,*-4,*-16-4,*-8-4", "--top", "*-8-*", "-n", "4",
+                 "-P", "4", "--piggyback", "--epochs", "6")
+    records = metrics(tmp_path)
+    assert records[-1]["test_accuracy"] >= 0.9
+    assert records[-1]["loss"] < 0.6 * records[0]["loss"]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert "networks *-8-4,*-4,*-16-4,*-8-4 / top *-8-*" in proc.stdout
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["outcome"] == "budget"
