@@ -25,7 +25,8 @@ from parties.plan import JobPlan
 LEADER = 0
 #: The columns of ``predictions-<split>.csv``: what each one is (the file's header names them).
 COLUMNS = {"id": "the sample's id, as in the party files",
-           "score": "w·x, the model's score (the prediction itself for regression)",
+           "score": "w·x, the model's score (the prediction itself for regression; --model mlp: the "
+                    "top's logit)",
            "probability": "binary problems: σ(w·x), the probability of the label +1",
            "predicted_label": "binary problems: +1 where the score is >= 0, else -1 (the party files' "
                               "encoding: a CSV file's label 1 is +1, its 0 is -1)"}
@@ -87,10 +88,13 @@ def run_predict(run: Path, split: str, output: Path) -> None:
     if rank == LEADER:
         epochs[0] = complete_epochs(run)
     comm.Bcast(epochs, root=LEADER)
-    w = load_checkpoint(config.party_folder(rank), rank, block.n_cols, float(epochs[0])).w
     aggregator = SecureAggregator.over_mpi(comm, seed=config.seed, allow_leaky_q2=config.allow_two_parties)
-    indices = np.arange(block.n_rows) if rank == LEADER else None
-    z = aggregator.inner_product(w, block.to_csr(), indices, root=LEADER)
+    if party.network is not None:
+        z = _network_scores(aggregator, config, party, block, float(epochs[0]))
+    else:
+        w = load_checkpoint(config.party_folder(rank), rank, block.n_cols, float(epochs[0])).w
+        indices = np.arange(block.n_rows) if rank == LEADER else None
+        z = aggregator.inner_product(w, block.to_csr(), indices, root=LEADER)
     aggregator.close()
     if rank != LEADER:
         return
@@ -99,6 +103,25 @@ def run_predict(run: Path, split: str, output: Path) -> None:
                       binary=party.problem.task == "binary")
     print(f"wrote {z.size} {split} predictions to {output} (columns: {', '.join(_columns(party))})",
           flush=True)
+
+
+def _network_scores(aggregator, config: JobPlan, party, block, epochs: float) -> np.ndarray | None:
+    """``--model mlp``: each party's trained network on its own rows, the embeddings summed by secure
+    aggregation (no party sees another's), and at the leader the top's logit of the positive class."""
+    from scipy.special import logit
+
+    from parties.party_model import NetworkPart
+
+    part = NetworkPart(party)
+    ckpt = load_checkpoint(config.party_folder(party.rank), party.rank, block.n_cols, epochs,
+                           part.state_shapes())
+    assert ckpt.network is not None
+    part.load_state(ckpt.network)
+    total = aggregator.sum(part.embed(block.to_csr()).ravel(), root=LEADER)
+    if total is None:
+        return None
+    positive = part.top.predict_proba(total.reshape(-1, part.k))[:, 1]
+    return logit(np.clip(positive, 1e-300, 1 - 1e-16))
 
 
 def _columns(party) -> list[str]:

@@ -181,3 +181,23 @@ def test_an_asynchronous_network_job_with_per_party_networks_learns(tmp_path):
     assert "networks *-8-4,*-4,*-16-4,*-8-4 / top *-8-*" in proc.stdout
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["outcome"] == "budget"
+    _predictions_score_as_evaluated(tmp_path, records[-1]["test_accuracy"])
+
+
+def _predictions_score_as_evaluated(out: Path, accuracy: float) -> None:
+    """``vfl predict`` on the run: each party's trained network, the secure sum and the top give the
+    test accuracy the run's last evaluation logged."""
+    import subprocess
+    import sys
+
+    from parties.loading import load_party
+    from parties.plan import JobPlan
+    from tests.conftest import REPO_ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "vfl.cli", "predict", str(out)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = np.genfromtxt(out / "predictions-test.csv", delimiter=",", names=True)
+    leader = load_party(JobPlan.from_json((out / "config.json").read_text()), 0)
+    assert table["id"].astype(np.int64).tolist() == leader.test_ids.tolist()
+    assert np.mean(table["predicted_label"] == leader.y_test) == pytest.approx(accuracy, abs=1e-12)
