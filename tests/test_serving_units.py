@@ -145,7 +145,7 @@ def test_serving_and_training_frames_never_open_in_each_other():
 
     privates = [hashlib.sha256(f"serve key {r}".encode()).digest() for r in range(2)]
     keys = [ChannelKeys(p, tuple(public_key(k) for k in privates), b"job") for p in privates]
-    serving = planes(bytes(32))
+    serving = planes(bytes(32)) + planes(bytes(32), b"predict")
     training = (b"data", b"full-theta", b"full-passes")
     message = np.arange(4, dtype=np.uint64)
     for sealed_on in serving + training:

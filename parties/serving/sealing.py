@@ -6,6 +6,7 @@ every message between parties with those keys, as training does (:mod:`protocols
 planes of their own: the requests and acknowledgements (:mod:`parties.serving.wire`), and the secure
 sums. The key of a link is derived from the plane's label, and serving labels start with ``serving``,
 which no training plane does: a serving frame never opens in training, nor a training frame here.
+``vfl predict`` seals its secure sums the same way, on planes labelled ``predict``.
 
 Each start of the service is a fresh *session*. The counters that number a link's messages restart at
 0 with every start, so under the run's keys alone a recorded frame of an earlier service would open in
@@ -29,8 +30,9 @@ from protocols.channels import ChannelKeys, SecureChannels
 
 #: random bytes each party contributes to a session
 SESSION_BYTES = 32
-#: the labels of the serving planes (the session's digest follows them); never a training plane's
-REQUESTS_PLANE, PASSES_PLANE = b"serving-requests", b"serving-passes"
+#: what a session is for: its planes' labels start with it (``vfl serve``'s, ``vfl predict``'s); no
+#: training plane's label does
+USES = (b"serving", b"predict")
 
 
 @dataclass(frozen=True)
@@ -46,13 +48,15 @@ def session_id(contributions: np.ndarray) -> bytes:
     return hashlib.sha256(b"vfl-serving-session/1|" + np.ascontiguousarray(contributions).tobytes()).digest()
 
 
-def planes(session: bytes) -> tuple[bytes, bytes]:
+def planes(session: bytes, use: bytes = b"serving") -> tuple[bytes, bytes]:
     """The labels of the session's two planes (the requests', the sums')."""
-    return REQUESTS_PLANE + b"|" + session.hex().encode(), PASSES_PLANE + b"|" + session.hex().encode()
+    assert use in USES, use
+    digest = session.hex().encode()
+    return use + b"-requests|" + digest, use + b"-passes|" + digest
 
 
-def open_session(comm: MPI.Comm, keys: ChannelKeys | None) -> ServingChannels | None:
-    """This party's serving links (collective), or None for a run in clear."""
+def open_session(comm: MPI.Comm, keys: ChannelKeys | None, use: bytes = b"serving") -> ServingChannels | None:
+    """This party's links for one session of ``use`` (collective), or None for a run in clear."""
     if keys is None:
         return None
     rank = comm.Get_rank()
@@ -60,5 +64,5 @@ def open_session(comm: MPI.Comm, keys: ChannelKeys | None) -> ServingChannels | 
     everyone = np.empty((comm.Get_size(), SESSION_BYTES), dtype=np.uint8)
     comm.Allgather([mine, MPI.BYTE], [everyone, MPI.BYTE])
     everyone[rank] = mine  # this party's own fresh bytes, whatever came back: they keep earlier frames out
-    requests, passes = planes(session_id(everyone))
+    requests, passes = planes(session_id(everyone), use)
     return ServingChannels(keys.channels(rank, requests), keys.channels(rank, passes))
