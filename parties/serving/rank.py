@@ -47,9 +47,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         model, service, aggregator, channels = _join(comm, rank, args)
     except Exception as err:
-        write_verdict(line := f"[party {rank}] cannot load its block, rows or channel key: {err}")
-        print(line, file=sys.stderr, flush=True)
-        raise
+        line = f"[party {rank}] cannot load its block, rows or channel key: {err}"
+        if not isinstance(err, OSError | ValueError):  # not a missing or damaged file: keep the traceback
+            write_verdict(line)
+            print(line, file=sys.stderr, flush=True)
+            raise
+        end_job(comm, line, EXIT_CODES["failed"])  # a file the user must fix: one line
+        return
     try:
         _run(comm, rank, model, service, aggregator, channels, args)
     except ProtocolViolation as err:
