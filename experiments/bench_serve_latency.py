@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def train_run(out: Path, q: int) -> None:
+def train_run(out: Path, q: int, sealed: bool = False) -> None:
     command = [sys.executable, "-m", "vfl.cli", "train", "--out", str(out), "--no-progress", "-n", str(q),
                "-m", "1", "--algorithm", "svrg", "--epochs", "1", "--dataset", "breast-cancer", "--problem",
-               "logistic", "--lam", "0.1", "--gamma", "0.02"]
+               "logistic", "--lam", "0.1", "--gamma", "0.02", *(["--secure-channels"] if sealed else [])]
     subprocess.run(command, cwd=ROOT, env=ENV, check=True, capture_output=True)
 
 
@@ -198,13 +198,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window-ms", type=float, default=1.0)
     parser.add_argument("--max-batch", type=int, default=1024)
     parser.add_argument("--quick", action="store_true", help="200 requests, 1 s runs")
+    parser.add_argument("--secure-channels", action="store_true",
+                        help="train the run with --secure-channels, so that the service seals its messages")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.seconds = 200, 1.0
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        train_run(run, args.parties)
+        train_run(run, args.parties, args.secure_channels)
         ids = _ids()
         proc, url = start_service(run, args.window_ms, args.max_batch)
         try:
@@ -212,8 +214,9 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             proc.terminate()
             proc.wait(30)
-    note = (f"q = {args.parties}, --window-ms {args.window_ms:g}, --max-batch {args.max_batch}; client and "
-            f"all parties on this shared machine")
+    sealed = ", sealed channels" if args.secure_channels else ""
+    note = (f"q = {args.parties}, --window-ms {args.window_ms:g}, --max-batch {args.max_batch}{sealed}; "
+            "client and all parties on this shared machine")
     write_outputs(rows, args.out, note)
     for r in rows:
         print({k: r[k] for k in ("what", "rows_per_request", "p50_ms", "p99_ms", "rows_per_s",

@@ -130,7 +130,7 @@ def save_checkpoint(out: str | Path, rank: int, w: np.ndarray, epochs: float, tr
     (then the previous one) survives until a newer epoch is marked."""
     path = checkpoint_path(out, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    held = _epochs_in(path) if keep is not None else None
+    held = epochs_in(path) if keep is not None else None
     if held is not None and abs(held - keep) <= 1e-9:
         os.replace(path, _previous_path(out, rank))
     extra = {} if gamma is None else {"gamma": gamma}
@@ -316,7 +316,7 @@ def _restored(path: Path, rank: int, n_features: int, epochs: float,
                       sampler, held)
 
 
-def _epochs_in(path: Path) -> float | None:
+def epochs_in(path: Path) -> float | None:
     """The epoch a party file holds; ``None`` when there is none or it is unreadable."""
     try:
         return _finite_epochs(_scalar(_read(path)[0], "epochs", path), str(path))

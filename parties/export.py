@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
-from parties.checkpoint import atomic_write, complete_epochs, load_checkpoint
+from parties.checkpoint import atomic_write, load_checkpoint
 
 FORMAT = "vfl-party-export"
 VERSION = 1
@@ -85,33 +85,29 @@ def part_paths(out: str | Path, rank: int) -> tuple[Path, Path]:
     return Path(out) / f"party-{rank}.export.json", Path(out) / f"party-{rank}.export.npz"
 
 
-def export_party(run: str | Path, rank: int, out: str | Path, *, overwrite: bool = False) -> PartyExport:
-    """Party ``rank`` of the run in ``run`` writes its part into ``out``; reads only its own folder and
-    its own party file. One ``ValueError`` line for a rank the run lacks or a part already there."""
-    from parties.loading import ids_digest, own_party_file, read_own_party, read_scaling, scaling_path
-    from parties.resume import load_run
+def export_party(run: str | Path, rank: int, out: str | Path, *, overwrite: bool = False,
+                 data: str | Path | None = None) -> PartyExport:
+    """Party ``rank`` writes its part into ``out``, reading only its own folder and party file. ``run``
+    is a ``vfl train`` run folder or the party's ``vfl party`` folder (then ``data`` is its data,
+    :mod:`parties.export_source`). One ``ValueError`` line for a rank the run lacks, a part already
+    there, or a folder that lacks what the part needs."""
+    from parties.export_source import party_source
+    from parties.loading import ids_digest, read_own_party, read_scaling
 
-    plan = load_run(run)
-    if isinstance(rank, bool) or not 0 <= rank < plan.parties:
-        raise ValueError(f"--party must be a rank of the run's parties 0..{plan.parties - 1}, got {rank}")
-    if plan.problem not in LINKS:
-        raise ValueError(f"the run's problem {plan.problem!r} has no export")
-    if plan.party_files is None:
-        raise ValueError(f"{run}: the run names no party files, so party {rank}'s columns are unknown")
+    source = party_source(run, rank, data, tuple(LINKS))
     json_path, npz_path = part_paths(out, rank)
     if not overwrite and (json_path.exists() or npz_path.exists()):
         raise ValueError(f"{json_path} exists: pass --overwrite to replace party {rank}'s part")
-    data = read_own_party(own_party_file(plan.party_files, rank), rank < plan.active, plan.problem)
-    epochs = complete_epochs(run)
-    w = load_checkpoint(plan.party_folder(rank), rank, data.n_features, epochs).w
+    own = read_own_party(source.data, source.active, source.problem)
+    w = load_checkpoint(source.folder, rank, own.n_features, source.epochs).w
     shift = scale = None
-    if plan.standardize != "off":
-        digest = np.frombuffer(ids_digest(data.train_ids, np.zeros(0, dtype=np.int64)), dtype=np.uint8)
-        scaling = read_scaling(scaling_path(plan, rank), data.n_features, plan.standardize, digest)
+    if source.standardize != "off":
+        digest = np.frombuffer(ids_digest(own.train_ids, np.zeros(0, dtype=np.int64)), dtype=np.uint8)
+        scaling = read_scaling(source.scaling, own.n_features, source.standardize, digest)
         shift, scale = scaling.shift, scaling.scale
-    part = PartyExport(rank, plan.parties, plan.problem, epochs, w, plan.standardize, shift, scale,
-                       None if data.columns is None else np.asarray(data.columns, dtype=np.int64),
-                       data.feature_names)
+    part = PartyExport(rank, source.parties, source.problem, source.epochs, w, source.standardize, shift,
+                       scale, None if own.columns is None else np.asarray(own.columns, dtype=np.int64),
+                       own.feature_names)
     write_part(part, out)
     return part
 

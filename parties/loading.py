@@ -111,7 +111,12 @@ def read_own_party(path: Path, active: bool, problem: str):
 
 def scaling_path(config: JobPlan, rank: int) -> Path:
     """Where party ``rank`` keeps its ``--standardize`` statistics: its own folder."""
-    return config.party_folder(rank) / f"standardize-{rank}.npz"
+    return scaling_file(config.party_folder(rank), rank)
+
+
+def scaling_file(folder: str | Path, rank: int) -> Path:
+    """Party ``rank``'s ``--standardize`` statistics in its folder (a ``vfl party`` folder too)."""
+    return Path(folder) / f"standardize-{rank}.npz"
 
 
 def party_scaling(config: JobPlan, rank: int, X_train, train_ids: np.ndarray) -> Scaling | None:

@@ -20,9 +20,12 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parties.config import EPOCH_SLACK, ConfigError, RunConfig, validate
+
+if TYPE_CHECKING:
+    from protocols.channels import ChannelKeys
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(RunConfig))
 
@@ -73,6 +76,23 @@ class JobPlan:
         if self.channel_key_file is not None:
             return Path(self.channel_key_file)
         return self.party_folder(rank) / f"party-{rank}.channel.key"
+
+    def sealing_keys(self, rank: int) -> ChannelKeys | None:
+        """Party ``rank``'s keys for sealed channels (``--secure-channels``), its private key read from
+        its own folder; None for a run in clear. Training and ``vfl serve`` both open channels with it."""
+        if not self.secure_channels:
+            return None
+        from protocols.channels import ChannelKeys
+
+        assert self.channel_public_keys is not None and self.job_id is not None, "set by the launcher"
+        path = self.channel_key_path(rank)
+        try:
+            private = path.read_bytes()
+        except OSError as err:
+            raise FileNotFoundError(f"party {rank}: no private channel key at {path} ({err.strerror}); "
+                                    "make one with `vfl keygen`") from None
+        return ChannelKeys(private, tuple(bytes.fromhex(k) for k in self.channel_public_keys),
+                           bytes.fromhex(self.job_id))
 
     def to_json(self) -> str:
         """One flat object: the options, with the resolved values in place of the requested ones, and

@@ -9,7 +9,9 @@ carry, ``vfl align``'s or ``vfl split``'s), with the columns :data:`COLUMNS` nam
 for a binary problem, the probability σ(w·x) of the positive class and the predicted label.
 
 The run's ``config.json`` says which data each party holds (a named dataset's split, or the per-party
-files of ``vfl split``), so predicting needs only the run folder.
+files of ``vfl split``), so predicting needs only the run folder. A run trained with
+``--secure-channels`` is predicted sealed, under its keys and a fresh session
+(:mod:`parties.serving.sealing`).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def run_predict(run: Path, split: str, output: Path) -> None:
     """One rank: load the block and this party's rows, aggregate securely, leader writes the CSV."""
     from mpi4py import MPI
 
+    from parties.serving.sealing import open_session
     from protocols.secure_aggregation import SecureAggregator
 
     comm = MPI.COMM_WORLD
@@ -88,7 +91,9 @@ def run_predict(run: Path, split: str, output: Path) -> None:
     if rank == LEADER:
         epochs[0] = complete_epochs(run)
     comm.Bcast(epochs, root=LEADER)
-    aggregator = SecureAggregator.over_mpi(comm, seed=config.seed, allow_leaky_q2=config.allow_two_parties)
+    channels = open_session(comm, config.sealing_keys(rank), use=b"predict")  # --secure-channels runs
+    aggregator = SecureAggregator.over_mpi(comm, seed=config.seed, allow_leaky_q2=config.allow_two_parties,
+                                           channels=None if channels is None else channels.passes)
     if party.network is not None:
         z = _network_scores(aggregator, config, party, block, float(epochs[0]))
     else:
@@ -101,7 +106,8 @@ def run_predict(run: Path, split: str, output: Path) -> None:
     assert party.problem is not None and z is not None
     write_predictions(output, party.train_ids if split == "train" else party.test_ids, z,
                       binary=party.problem.task == "binary")
-    print(f"wrote {z.size} {split} predictions to {output} (columns: {', '.join(_columns(party))})",
+    sealed = "; sealed channels" if channels is not None else ""
+    print(f"wrote {z.size} {split} predictions to {output} (columns: {', '.join(_columns(party))}{sealed})",
           flush=True)
 
 

@@ -38,7 +38,6 @@ from parties.plan import JobPlan, next_segment, segment_quota
 from parties.runtime import PartyRuntime, PartyState, RuntimeOptions
 from parties.step import choose_gamma
 from parties.threads import configured
-from protocols.channels import ChannelKeys
 from protocols.errors import ProtocolViolation
 from protocols.liveness import STARTUP_TIMEOUT_S, Liveness, Pending
 
@@ -69,7 +68,7 @@ def train(comm: MPI.Comm, party: PartyState, config: JobPlan | RunConfig) -> Tra
         config = JobPlan.of(config)
     check_aligned(comm, party)
     runtime = PartyRuntime(comm, party, RuntimeOptions.from_config(
-        config, keys=channel_keys(config, comm.Get_rank())))
+        config, keys=config.sealing_keys(comm.Get_rank())))
     result = _Trainer(runtime, config).run()
     runtime.close()
     if config.audit:  # what this party received is its own: in its folder (--party-dir), not the run's
@@ -77,21 +76,6 @@ def train(comm: MPI.Comm, party: PartyState, config: JobPlan | RunConfig) -> Tra
         folder.mkdir(parents=True, exist_ok=True)
         runtime.save_transcript(folder / f"audit-{runtime.rank}.npz")
     return result
-
-
-def channel_keys(config: JobPlan, rank: int) -> ChannelKeys | None:
-    """This party's keys for sealed channels (``--secure-channels``), from its own folder."""
-    if not config.secure_channels:
-        return None
-    assert config.channel_public_keys is not None and config.job_id is not None, "set by the launcher"
-    path = config.channel_key_path(rank)
-    try:
-        private = path.read_bytes()
-    except OSError as err:
-        raise FileNotFoundError(f"party {rank}: no private channel key at {path} ({err.strerror}); "
-                                "make one with `vfl keygen`") from None
-    return ChannelKeys(private, tuple(bytes.fromhex(k) for k in config.channel_public_keys),
-                       bytes.fromhex(config.job_id))
 
 
 class MisalignedError(ValueError):

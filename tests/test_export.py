@@ -76,6 +76,8 @@ def test_export_refuses_a_rank_the_run_lacks_and_an_existing_part(trained, tmp_p
     proc = vfl("export", str(trained), "--party", "2", "--out", str(tmp_path))
     assert proc.returncode == 2 and "--overwrite" in proc.stderr
     ok("export", str(trained), "--party", "2", "--out", str(tmp_path), "--overwrite")
+    proc = vfl("export", str(trained), "--party", "2", "--out", str(tmp_path), "--data", str(tmp_path))
+    assert proc.returncode == 2 and "--data is for a `vfl party` folder" in proc.stderr
 
 
 def _part(rank: int = 0, **changes) -> PartyExport:

@@ -118,6 +118,7 @@ def alive(pid: int) -> bool:
 def test_scores_equal_vfl_predicts_for_the_same_rows(service, trained):
     _, predicted = trained
     ids = list(predicted)
+    assert service.health()["sealed"] is False  # a run trained in clear is served in clear
     status, body = service.post({"ids": ids})
     assert status == 200
     results = body["results"]
@@ -202,10 +203,12 @@ def test_a_killed_party_ends_the_service_naming_it(trained):
     assert not [pid for pid in pids if alive(pid)]
 
 
-def test_an_id_some_party_lacks_is_answered_unknown_and_the_others_exactly():
-    """Over real MPI and the secure sum: party 2 lacks id 30, party 1 alone holds 50."""
-    proc = run_mpi(3, ["tests/mpi_scripts/serve_federation.py", "partial"], timeout=60)
+@pytest.mark.parametrize("scenario", ["partial", "partial-sealed"])
+def test_an_id_some_party_lacks_is_answered_unknown_and_the_others_exactly(scenario):
+    """Over real MPI and the secure sum, in clear and sealed: party 2 lacks id 30, party 1 alone holds 50."""
+    proc = run_mpi(3, ["tests/mpi_scripts/serve_federation.py", scenario], timeout=60)
     answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert answer["sealed"] == (scenario == "partial-sealed")
     assert answer["held"] == [True, False, False, True, False]
     for z, plain, held in zip(answer["z"], answer["plain"], answer["held"], strict=True):
         assert (z is None) == (not held)

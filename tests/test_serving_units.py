@@ -96,14 +96,67 @@ def test_serve_options_out_of_range_are_refused(options, says):
         check_options(*options)
 
 
-def test_a_run_trained_over_sealed_channels_is_refused_not_served_in_the_clear():
-    from types import SimpleNamespace
+def _session_keys(session: bytes, job: bytes = b"job") -> tuple:
+    """Leader's and party 1's serving request links of one session, under fixed test keys."""
+    import hashlib
 
-    from parties.serving.launch import check_run
+    from parties.serving.sealing import planes
+    from protocols.channels import ChannelKeys, public_key
 
-    check_run(SimpleNamespace(secure_channels=False))
-    with pytest.raises(ValueError, match="--secure-channels"):
-        check_run(SimpleNamespace(secure_channels=True))
+    privates = [hashlib.sha256(f"serve key {r}".encode()).digest() for r in range(2)]
+    publics = tuple(public_key(p) for p in privates)
+    plane = planes(session)[0]
+    return tuple(ChannelKeys(privates[r], publics, job).channels(r, plane) for r in range(2))
+
+
+def test_a_sealed_request_opens_once_at_its_party_and_nowhere_else():
+    """The serving planes are keyed by the session: a frame recorded in one start of the service (or
+    sealed for training's planes) does not open in another; a replay or a flipped bit names the leader."""
+    from parties.serving.sealing import session_id
+
+    contributions = np.arange(64, dtype=np.uint8).reshape(2, 32)
+    session = session_id(contributions)
+    leader, party = _session_keys(session)
+    request = wire.encode_request(np.array([7, 8, 9]))
+    sealed = wire.on_wire(leader, 1, wire.TAG_REQUEST, request)
+    assert not np.isin(np.array([7, 8, 9], dtype=np.int64).view(np.uint64), sealed).any()  # not in clear
+    buffer = np.zeros(2 + 8 + wire.overhead(party), dtype=np.int64)
+    buffer.view(np.uint64)[:sealed.size] = sealed
+    words, nbytes = wire.opened(party, wire.LEADER, wire.TAG_REQUEST, buffer, sealed.nbytes)
+    kind, ids = wire.decode_request(words, nbytes, 8)
+    assert kind == wire.SCORE and ids.tolist() == [7, 8, 9]
+    with pytest.raises(ProtocolViolation, match="party 0 sent an invalid sealed message: counter 0, expect"):
+        wire.opened(party, wire.LEADER, wire.TAG_REQUEST, buffer, sealed.nbytes)  # replayed
+    contributions[1, 0] ^= 1  # another start of the service: one party drew other bytes
+    _, later = _session_keys(session_id(contributions))
+    with pytest.raises(ProtocolViolation, match="party 0 sent an invalid sealed message: authentication"):
+        wire.opened(later, wire.LEADER, wire.TAG_REQUEST, buffer, sealed.nbytes)
+    _, fresh = _session_keys(session)
+    buffer[3] ^= 1  # one bit of the ciphertext
+    with pytest.raises(ProtocolViolation, match="party 0 sent an invalid sealed message: authentication"):
+        wire.opened(fresh, wire.LEADER, wire.TAG_REQUEST, buffer, sealed.nbytes)
+
+
+def test_serving_and_training_frames_never_open_in_each_other():
+    import hashlib
+
+    from parties.serving.sealing import planes
+    from protocols.channels import ChannelKeys, public_key
+
+    privates = [hashlib.sha256(f"serve key {r}".encode()).digest() for r in range(2)]
+    keys = [ChannelKeys(p, tuple(public_key(k) for k in privates), b"job") for p in privates]
+    serving = planes(bytes(32)) + planes(bytes(32), b"predict")
+    training = (b"data", b"full-theta", b"full-passes")
+    message = np.arange(4, dtype=np.uint64)
+    for sealed_on in serving + training:
+        sealed = keys[0].channels(0, sealed_on).seal(1, wire.TAG_REQUEST, message)
+        for opened_on in serving + training:
+            receiver = keys[1].channels(1, opened_on)
+            if opened_on == sealed_on:
+                assert receiver.open(0, wire.TAG_REQUEST, sealed).tolist() == message.tolist()
+            else:
+                with pytest.raises(ProtocolViolation, match="authentication failed"):
+                    receiver.open(0, wire.TAG_REQUEST, sealed)
 
 
 def test_an_address_in_use_is_refused_in_one_line_before_any_rank_starts():

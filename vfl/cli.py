@@ -216,7 +216,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from parties.export import export_party, part_paths
 
-    part = export_party(args.run, args.party, args.out, overwrite=args.overwrite)
+    part = export_party(args.run, args.party, args.out, overwrite=args.overwrite, data=args.data)
     json_path, npz_path = part_paths(args.out, args.party)
     print(f"party {args.party}: wrote {json_path} and {npz_path} ({part.n_features:,} columns, "
           f"{part.problem}, --standardize {part.standardize}, epoch {part.epochs:g})")
@@ -357,10 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write one party's part of a trained model (its block, scaling and "
                                       "column schema; docs/serving.md#export)")
-    p.add_argument("run", help="the --out folder of a `vfl train` run")
+    p.add_argument("run", help="the --out folder of a `vfl train` run, or this party's `vfl party` --folder")
     p.add_argument("--party", type=int, required=True, help="the rank whose part is written (its own folder)")
     p.add_argument("--out", required=True, help="folder for party-<rank>.export.json and .export.npz")
     p.add_argument("--overwrite", action="store_true", help="replace this party's part if it is there")
+    p.add_argument("--data", help="a `vfl party` folder only: the party's --data it trained from (its "
+                                  "party file or folder, for the column schema)")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("align", help="private set intersection of the parties' id columns (starts mpiexec)")

@@ -14,7 +14,8 @@ One scoring round for a batch of n ids (every party takes part, in this order):
 So a passive party learns the ids asked for, nothing else; the leader learns the scores and how many
 parties hold each id, not which. The sums wait in MPI's blocking receives, as ``vfl predict``'s do (a
 polled wait with deadlines took twice the wall time of a round on the loaded 2-core machine); only an
-idle passive party polls, with sleeps, for the next request.
+idle passive party polls, with sleeps, for the next request. With ``channels`` (a ``--secure-channels``
+run) the ids and acknowledgements travel sealed (:mod:`parties.serving.sealing`), as do the sums.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mpi4py import MPI
 
 from parties.serving import wire
 from parties.serving.store import PartyModel
+from protocols.channels import SecureChannels
 from protocols.errors import ProtocolViolation
 from protocols.liveness import Backoff
 
@@ -69,23 +71,27 @@ def contribution(model: PartyModel, ids: np.ndarray) -> np.ndarray:
 class Federation:
     """The leader's side: score a batch of ids through the live parties (collective with them)."""
 
-    def __init__(self, service: MPI.Comm, aggregator, model: PartyModel, *, peer_timeout: float) -> None:
+    def __init__(self, service: MPI.Comm, aggregator, model: PartyModel, *, peer_timeout: float,
+                 channels: SecureChannels | None = None) -> None:
         self.service, self.aggregator, self.model = service, aggregator, model
         self.parties = service.Get_size()
         self.passive = list(range(1, self.parties))
         self.peer_timeout = peer_timeout
-        self._acks = np.empty((self.parties, 1), dtype=np.int64)
+        self.channels = channels
+        self._acks = np.empty((self.parties, 1 + wire.overhead(channels)), dtype=np.int64)
         self._pending: list = []  # this round's acknowledgement receives, tested under the lock
         self._lock = threading.Lock()
 
     def score(self, ids: np.ndarray) -> BatchScores:
         """``z`` for the ids every party holds (``held``), in the batch's order."""
-        message = wire.encode_request(ids)
+        request = wire.encode_request(ids)
+        messages = [wire.on_wire(self.channels, p, wire.TAG_REQUEST, request) for p in self.passive]
         with self._lock:
             acks = [self.service.Irecv([self._acks[p], MPI.BYTE], source=p, tag=wire.TAG_ACK)
                     for p in self.passive]
             self._pending = list(zip(self.passive, acks, strict=True))
-        sends = [self.service.Isend([message, MPI.BYTE], dest=p, tag=wire.TAG_REQUEST) for p in self.passive]
+        sends = [self.service.Isend([m, MPI.BYTE], dest=p, tag=wire.TAG_REQUEST)
+                 for p, m in zip(self.passive, messages, strict=True)]
         total = self.aggregator.sum(contribution(self.model, ids), root=wire.LEADER)
         self._collect(ids.size)
         MPI.Request.Waitall(sends)
@@ -100,7 +106,9 @@ class Federation:
             backoff = Backoff(cap=1e-4)
             while not self._test(party, ack, status):
                 backoff.sleep()
-            wire.check_ack(party, self._acks[party], status.Get_count(MPI.BYTE), n)
+            word, nbytes = wire.opened(self.channels, party, wire.TAG_ACK, self._acks[party],
+                                       status.Get_count(MPI.BYTE))
+            wire.check_ack(party, word, nbytes, n)
         self._pending = []
 
     def _test(self, party: int, ack, status) -> bool:
@@ -110,7 +118,8 @@ class Federation:
         except MPI.Exception as error:
             if error.Get_error_class() != MPI.ERR_TRUNCATE:
                 raise
-            raise ProtocolViolation(party, "serving acknowledgement", "longer than one word") from None
+            raise ProtocolViolation(party, "serving acknowledgement",
+                                    f"longer than {self._acks[party].nbytes} bytes") from None
 
     def unacknowledged(self) -> list[int]:
         """The passive parties that have not acknowledged the round in progress (from another thread,
@@ -120,21 +129,23 @@ class Federation:
 
     def stop(self) -> None:
         """Tell every passive party the service ends (each then finalizes and exits)."""
-        message = wire.stop_message()
-        MPI.Request.Waitall([self.service.Isend([message, MPI.BYTE], dest=p, tag=wire.TAG_REQUEST)
+        stop = wire.stop_message()
+        MPI.Request.Waitall([self.service.Isend([wire.on_wire(self.channels, p, wire.TAG_REQUEST, stop),
+                                                 MPI.BYTE], dest=p, tag=wire.TAG_REQUEST)
                              for p in self.passive])
 
 
-def serve_passive(service: MPI.Comm, aggregator, model: PartyModel, *, max_batch: int) -> int:
+def serve_passive(service: MPI.Comm, aggregator, model: PartyModel, *, max_batch: int,
+                  channels: SecureChannels | None = None) -> int:
     """A passive party's loop: answer the leader's requests until ``STOP``; returns how many it took."""
-    inbox = wire.RequestInbox(service, max_batch)
+    inbox = wire.RequestInbox(service, max_batch, channels)
     served = 0
     while True:
         backoff = Backoff(cap=IDLE_POLL_S)  # idle between requests: no spinning core
         kind, ids = inbox.receive(backoff.sleep)
         if kind == wire.STOP:
             return served
-        ack = np.array([ids.size], dtype=np.int64)
+        ack = wire.on_wire(channels, wire.LEADER, wire.TAG_ACK, np.array([ids.size], dtype=np.int64))
         sent = service.Isend([ack, MPI.BYTE], dest=wire.LEADER, tag=wire.TAG_ACK)
         aggregator.sum(contribution(model, ids), root=wire.LEADER)
         sent.Wait()

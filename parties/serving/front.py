@@ -81,8 +81,9 @@ def _error(status: int, line: str) -> web.Response:
 
 
 def build_app(batcher: MicroBatcher, *, task: str, parties: int, on_failure: Callable[[str], None],
-              window_ms: float) -> web.Application:
-    """The aiohttp application; ``on_failure(line)`` is called once a party is found unavailable."""
+              window_ms: float, sealed: bool = False) -> web.Application:
+    """The aiohttp application; ``on_failure(line)`` is called once a party is found unavailable.
+    ``sealed``: whether the parties' messages travel sealed (``/health`` says so to the operator)."""
     state: dict = {"failed": None}
 
     async def score(request: web.Request) -> web.Response:
@@ -104,7 +105,7 @@ def build_app(batcher: MicroBatcher, *, task: str, parties: int, on_failure: Cal
     async def health(request: web.Request) -> web.Response:
         if state["failed"]:
             return _error(503, state["failed"])
-        return web.json_response({"status": "ok", "parties": parties, "task": task,
+        return web.json_response({"status": "ok", "parties": parties, "task": task, "sealed": sealed,
                                   "max_batch": batcher.max_rows, "window_ms": window_ms,
                                   "requests": batcher.requests, "batches": batcher.batches,
                                   "aggregation_seconds": round(batcher.busy_seconds, 6)})

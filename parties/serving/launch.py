@@ -41,13 +41,6 @@ def check_address(host: str, port: int) -> None:
         raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
 
 
-def check_run(config) -> None:
-    """One line for a run this phase cannot serve as it was trained."""
-    if config.secure_channels:
-        raise ValueError("the run was trained with --secure-channels, and vfl serve does not seal its "
-                         "messages yet (issue 29, phase 2): it refuses to serve such a run in the clear")
-
-
 def serve(run_dir: str | Path, *, port: int, host: str = "127.0.0.1", window_ms: float = 1.0,
           max_batch: int = 1024, peer_timeout: float = 10.0) -> int:
     """Serve until stopped; the exit code (0 after SIGINT/SIGTERM, 1 if a party failed)."""
@@ -62,7 +55,6 @@ def serve(run_dir: str | Path, *, port: int, host: str = "127.0.0.1", window_ms:
         raise FileNotFoundError(f"{run / 'config.json'} not found: pass the --out folder of a `vfl train` "
                                 "run")
     config = load_run(run)
-    check_run(config)
     complete_epochs(run)
     if config.party_dir is None:
         missing = [r for r in range(config.parties) if not checkpoint_path(run, r).exists()]

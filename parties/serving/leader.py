@@ -59,7 +59,7 @@ async def serve_http(comm, federation: Federation, args: argparse.Namespace) -> 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     app = build_app(batcher, task=federation.model.task or "regression", parties=comm.Get_size(),
-                    on_failure=on_failure, window_ms=args.window_ms)
+                    on_failure=on_failure, window_ms=args.window_ms, sealed=federation.channels is not None)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     try:
@@ -67,8 +67,9 @@ async def serve_http(comm, federation: Federation, args: argparse.Namespace) -> 
     except OSError as err:  # taken since the launcher's check, or an address not of this host
         stop_job(comm, 0, "usage", f"cannot listen on {args.host}:{args.port}: {err.strerror or err}")
     host, port = runner.addresses[0][:2]
+    sealed = ", sealed channels" if federation.channels is not None else ""
     print(f"vfl serve: listening on http://{host}:{port} ({comm.Get_size()} parties, window "
-          f"{args.window_ms:g} ms, batches of up to {args.max_batch} rows)", flush=True)
+          f"{args.window_ms:g} ms, batches of up to {args.max_batch} rows{sealed})", flush=True)
     batching = asyncio.create_task(batcher.run())
     await stop.wait()
     await runner.cleanup()

@@ -2,6 +2,8 @@
 
 Every rank loads its own block and rows (:mod:`parties.serving.store`) and joins two communicators
 of its own: the service's (ids and answers, :mod:`parties.serving.wire`) and the secure aggregation's.
+A run trained with ``--secure-channels`` is served sealed on both, under the run's keys and a fresh
+session (:mod:`parties.serving.sealing`).
 The leader then serves HTTP until SIGINT/SIGTERM and tells the others to stop; a passive party ignores
 those signals (``mpiexec`` forwards them to every rank) and ends when the leader says so, so that no
 rank leaves in the middle of an aggregation. A party that breaks the protocol ends the service with a
@@ -43,13 +45,17 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        model, service, aggregator = _join(comm, rank, args)
+        model, service, aggregator, channels = _join(comm, rank, args)
     except Exception as err:
-        write_verdict(line := f"[party {rank}] cannot load its block or rows: {err}")
-        print(line, file=sys.stderr, flush=True)
-        raise
+        line = f"[party {rank}] cannot load its block, rows or channel key: {err}"
+        if not isinstance(err, OSError | ValueError):  # not a missing or damaged file: keep the traceback
+            write_verdict(line)
+            print(line, file=sys.stderr, flush=True)
+            raise
+        end_job(comm, line, EXIT_CODES["failed"])  # a file the user must fix: one line
+        return
     try:
-        _run(comm, rank, model, service, aggregator, args)
+        _run(comm, rank, model, service, aggregator, channels, args)
     except ProtocolViolation as err:
         end_job(comm, f"[party {rank}] {err}", EXIT_CODES["failed"])
     aggregator.close()
@@ -58,11 +64,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _join(comm, rank: int, args: argparse.Namespace):
-    """This party's model, the service communicator and the aggregator (collective). The sums have no
-    deadlines of their own: the leader gives each round ``--peer-timeout`` seconds and names a silent
-    party from its acknowledgements (:mod:`parties.serving.federation`)."""
+    """This party's model, the service communicator, the aggregator and the sealed links (None in
+    clear; collective). The sums have no deadlines of their own: the leader gives each round
+    ``--peer-timeout`` seconds and names a silent party from its acknowledgements
+    (:mod:`parties.serving.federation`)."""
     from parties.checkpoint import complete_epochs
     from parties.resume import load_run
+    from parties.serving.sealing import open_session
     from parties.serving.store import load_model
     from protocols.secure_aggregation import SecureAggregator
 
@@ -72,23 +80,27 @@ def _join(comm, rank: int, args: argparse.Namespace):
         epochs[0] = complete_epochs(Path(args.run))
     comm.Bcast(epochs, root=0)
     model = load_model(config, rank, float(epochs[0]))
+    keys = config.sealing_keys(rank)
+    channels = open_session(comm, keys)
     service = comm.Dup()
     aggregator = SecureAggregator.over_mpi(comm, seed=config.seed, allow_leaky_q2=config.allow_two_parties,
-                                           max_batch=2 * args.max_batch)
-    return model, service, aggregator
+                                           max_batch=2 * args.max_batch,
+                                           channels=None if channels is None else channels.passes)
+    return model, service, aggregator, channels
 
 
-def _run(comm, rank: int, model, service, aggregator, args: argparse.Namespace) -> None:
+def _run(comm, rank: int, model, service, aggregator, channels, args: argparse.Namespace) -> None:
     from parties.serving.federation import Federation, serve_passive
 
+    requests = None if channels is None else channels.requests
     if rank != 0:
-        serve_passive(service, aggregator, model, max_batch=args.max_batch)
+        serve_passive(service, aggregator, model, max_batch=args.max_batch, channels=requests)
         return
     import asyncio
 
     from parties.serving.leader import serve_http
 
-    federation = Federation(service, aggregator, model, peer_timeout=args.peer_timeout)
+    federation = Federation(service, aggregator, model, peer_timeout=args.peer_timeout, channels=requests)
     asyncio.run(serve_http(comm, federation, args))
 
 
