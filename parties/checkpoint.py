@@ -144,6 +144,16 @@ def save_checkpoint(out: str | Path, rank: int, w: np.ndarray, epochs: float, tr
 
 
 
+def holds_network(folder: str | Path, rank: int) -> bool:
+    """Whether party ``rank``'s newest file in ``folder`` holds a network (``--model mlp``): the
+    member names only, no array is read."""
+    try:
+        with np.load(checkpoint_path(folder, rank), allow_pickle=False) as z:
+            return any(name.startswith(NETWORK) for name in z.files)
+    except (OSError, ValueError):
+        return False
+
+
 def mark_complete(out: str | Path, epochs: float) -> None:
     """Leader: every party has written the epoch, so it is the one to resume from."""
     text = json.dumps({"epochs": epochs}).encode()

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
-from parties.checkpoint import atomic_write, load_checkpoint
+from parties.checkpoint import atomic_write, holds_network, load_checkpoint
 
 FORMAT = "vfl-party-export"
 VERSION = 1
@@ -99,6 +99,9 @@ def export_party(run: str | Path, rank: int, out: str | Path, *, overwrite: bool
     if not overwrite and (json_path.exists() or npz_path.exists()):
         raise ValueError(f"{json_path} exists: pass --overwrite to replace party {rank}'s part")
     own = read_own_party(source.data, source.active, source.problem)
+    if holds_network(source.folder, rank):
+        raise ValueError(f"party {rank} trained a network (--model mlp): vfl export writes linear parts "
+                         "only for now; `vfl predict` scores a network run")
     w = load_checkpoint(source.folder, rank, own.n_features, source.epochs).w
     shift = scale = None
     if source.standardize != "off":

@@ -182,6 +182,23 @@ def test_an_asynchronous_network_job_with_per_party_networks_learns(tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["outcome"] == "budget"
     _predictions_score_as_evaluated(tmp_path, records[-1]["test_accuracy"])
+    _serve_and_export_refuse_a_network_run(tmp_path)
+
+
+def _serve_and_export_refuse_a_network_run(out: Path) -> None:
+    """``vfl serve`` and ``vfl export`` read linear blocks: on a network run each says so in one line
+    (an export of the zero ``w`` a network party keeps would be a silently wrong model)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    for args in (["serve", str(out), "--port", "0"], ["export", str(out), "--party", "1", "--out",
+                                                       str(out / "export")]):
+        proc = subprocess.run([sys.executable, "-m", "vfl.cli", *args], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=60, check=False)
+        assert proc.returncode != 0 and "--model mlp" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def _predictions_score_as_evaluated(out: Path, accuracy: float) -> None:

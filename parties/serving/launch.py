@@ -55,6 +55,9 @@ def serve(run_dir: str | Path, *, port: int, host: str = "127.0.0.1", window_ms:
         raise FileNotFoundError(f"{run / 'config.json'} not found: pass the --out folder of a `vfl train` "
                                 "run")
     config = load_run(run)
+    if config.model != "linear":  # one line before any rank starts: the ranks load linear blocks
+        raise ValueError(f"{run} trained networks (--model mlp): vfl serve scores linear runs only for now; "
+                         "`vfl predict` scores a network run")
     complete_epochs(run)
     if config.party_dir is None:
         missing = [r for r in range(config.parties) if not checkpoint_path(run, r).exists()]
