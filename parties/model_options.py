@@ -9,7 +9,8 @@ meaning something else:
   default; ``--lam``: weight decay on every parameter, L2 as λ is for the linear model);
 * ``-m 1``: the top network lives at the one label holder (several dominators would each step a top
   of their own);
-* binary classification (``--problem logistic``): the top ends in one logit and the logistic loss;
+* classification (``--problem logistic``): binary labels (±1) give one logit and the logistic loss,
+  class labels 0..C−1 (a multiclass dataset, e.g. Fashion-MNIST) C logits and softmax cross-entropy;
 * no ``--label-privacy he``, no ``--gamma-decay``, no f*: encrypted ϑ, a decaying step and the NonF
   optimum are the linear model's (randomized-response label DP, ``dp``, works unchanged: the labels are
   noised where they are loaded).
@@ -68,8 +69,8 @@ def check_network_options(c) -> None:
         (c.algorithm != "sgd", f"--model mlp runs --algorithm sgd (each network steps by Adam from every "
                                f"(ϑ, i)); {c.algorithm}'s snapshots or tables are the linear model's"),
         (c.active != 1, "--model mlp needs -m 1: the top network lives at the one label holder"),
-        (c.problem != "logistic", f"--model mlp trains a binary classifier with the logistic loss: "
-                                  f"--problem {c.problem} is not one"),
+        (c.problem != "logistic", f"--model mlp trains a classifier with the logistic loss (softmax "
+                                  f"cross-entropy for more classes): --problem {c.problem} is not one"),
         (c.label_privacy == "he", "--model mlp cannot run --label-privacy he (encrypted ϑ is the linear "
                                   "model's); use --label-privacy dp"),
         (bool(c.gamma_decay), "--model mlp steps by Adam: drop --gamma-decay"),

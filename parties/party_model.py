@@ -149,9 +149,21 @@ def attach_network(config, party, X_train) -> None:
     try:
         party.network = MLPBottom(X_train, spec, optimizer=optimizer, seed=config.seed + party.rank)
         if party.y is not None:
-            party.top = MLPTop(config.top, 2, k=party.network.k, optimizer=optimizer,
-                               seed=config.seed + config.parties)
+            party.classes = as_classes(party.y)
+            seen = party.classes if party.y_test is None else np.concatenate([party.classes,
+                                                                              as_classes(party.y_test)])
+            party.top = MLPTop(config.top, max(2, int(seen.max()) + 1), k=party.network.k,
+                               optimizer=optimizer, seed=config.seed + config.parties)
     except ValueError as err:
         raise ValueError(f"party {party.rank}: {err}") from None
-    if party.y is not None:
-        party.classes = (party.y > 0).astype(np.int64)
+
+
+def as_classes(y: np.ndarray) -> np.ndarray:
+    """Labels as a network's top takes them: ±1 (the binary encoding of the party files) as 0/1, class
+    labels 0..C−1 (multiclass) as they are; anything else is one ``ValueError`` line."""
+    y = np.asarray(y)
+    if np.all((y == 1) | (y == -1)):
+        return (y > 0).astype(np.int64)
+    if np.all(y == np.floor(y)) and y.size and y.min() >= 0:
+        return y.astype(np.int64)
+    raise ValueError("a network classifies: the labels must be ±1 or class numbers 0, 1, 2, ...")

@@ -245,8 +245,11 @@ def _check_dataset(c: RunConfig) -> tuple[str, int]:
     except (DatasetNotFoundError, ValueError) as err:
         raise ConfigError(str(err)) from None
     want = PROBLEMS[c.problem].task
-    if spec.task != want:
+    if spec.task != want and not (c.model != "linear" and spec.task == "multiclass"):
         raise ConfigError(f"--problem {c.problem} is a {want} problem but dataset {name!r} is {spec.task}")
+    if spec.task == "multiclass" and c.label_privacy == "dp":
+        raise ConfigError(f"--label-privacy dp flips binary labels (randomized response): dataset {name!r} "
+                          "has more classes")
     try:
         ds = job_dataset(name, c.seed, c.data_dir)
     except DatasetNotFoundError as err:
@@ -276,8 +279,14 @@ def _check_party_files(c: RunConfig, folder: Path) -> int:
     if is_csv_folder(folder):
         csv_party_folder.cache_clear()  # read the files as they are now, not as an earlier job saw them
         parties = csv_party_folder(str(folder), c.parties, c.active, task)
-    else:
-        parties = _load_party_files(c, folder, task)
+    else:  # a network classifies binary or multiclass labels (parties/party_model.py)
+        parties = _load_party_files(c, folder, task if c.model == "linear" else None)
+        if c.model != "linear" and parties[0].task not in ("binary", "multiclass"):
+            raise ConfigError(f"--party-files {folder}: --model mlp classifies, and the files hold "
+                              f"{parties[0].task} labels")
+        if parties[0].task == "multiclass" and c.label_privacy == "dp":
+            raise ConfigError(f"--party-files {folder}: --label-privacy dp flips binary labels "
+                              "(randomized response), and these have more classes")
     n_train = parties[0].X_train.shape[0]
     _check_saga_table(c, n_train, max(p.n_features for p in parties))
     if c.active < c.parties:
@@ -286,7 +295,7 @@ def _check_party_files(c: RunConfig, folder: Path) -> int:
     return n_train
 
 
-def _load_party_files(c: RunConfig, folder: Path, task: str) -> list:
+def _load_party_files(c: RunConfig, folder: Path, task: str | None) -> list:
     from vertical.datasets.party_files import check_aligned, find_party_file, load_party_file
 
     missing = []

@@ -104,10 +104,14 @@ def run_predict(run: Path, split: str, output: Path) -> None:
     if rank != LEADER:
         return
     assert party.problem is not None and z is not None
-    write_predictions(output, party.train_ids if split == "train" else party.test_ids, z,
-                      binary=party.problem.task == "binary")
+    ids = party.train_ids if split == "train" else party.test_ids
+    if z.ndim == 2:  # a network's class probabilities (more than two classes)
+        columns = write_class_predictions(output, ids, z)
+    else:
+        columns = _columns(party)
+        write_predictions(output, ids, z, binary=party.problem.task == "binary")
     sealed = "; sealed channels" if channels is not None else ""
-    print(f"wrote {z.size} {split} predictions to {output} (columns: {', '.join(_columns(party))}{sealed})",
+    print(f"wrote {len(ids)} {split} predictions to {output} (columns: {', '.join(columns)}{sealed})",
           flush=True)
 
 
@@ -126,12 +130,28 @@ def _network_scores(aggregator, config: JobPlan, party, block, epochs: float) ->
     total = aggregator.sum(part.embed(block.to_csr()).ravel(), root=LEADER)
     if total is None:
         return None
-    positive = part.top.predict_proba(total.reshape(-1, part.k))[:, 1]
-    return logit(np.clip(positive, 1e-300, 1 - 1e-16))
+    proba = part.top.predict_proba(total.reshape(-1, part.k))
+    if proba.shape[1] > 2:
+        return proba
+    return logit(np.clip(proba[:, 1], 1e-300, 1 - 1e-16))
 
 
 def _columns(party) -> list[str]:
     return list(COLUMNS) if party.problem.task == "binary" else ["id", "score"]
+
+
+def write_class_predictions(output: Path, ids: np.ndarray, proba: np.ndarray) -> list[str]:
+    """A network of C > 2 classes: per row its id, the predicted class (0..C−1, the label files' class
+    numbers) and that class's probability; returns the columns."""
+    names = ["id", "predicted_label", "probability"]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    predicted = np.argmax(proba, axis=1)
+    with open(output, "w") as fh:
+        fh.write(",".join(names) + "\n")
+        for i, c, p in zip(ids.tolist(), predicted.tolist(), proba[np.arange(len(ids)), predicted].tolist(),
+                           strict=True):
+            fh.write(f"{i},{c},{p:.10g}\n")
+    return names
 
 
 def write_predictions(output: Path, ids: np.ndarray, z: np.ndarray, *, binary: bool) -> None:

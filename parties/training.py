@@ -358,8 +358,10 @@ class _Trainer:
         record: dict = {"epoch": round(self.epochs, 6), "time": round(self.train_time, 6),
                         "updates": self.updates, "loss": loss}
         if z_test is not None:
+            from parties.party_model import as_classes
+
             predicted = np.argmax(top.predict_proba(z_test), axis=1)
-            record["test_accuracy"] = float(np.mean(predicted == (self.party.y_test > 0)))
+            record["test_accuracy"] = float(np.mean(predicted == as_classes(self.party.y_test)))
         return record
 
     def _log(self, record: dict | None) -> dict | None:

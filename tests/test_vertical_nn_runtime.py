@@ -76,7 +76,7 @@ def test_bottom_specs_are_one_for_all_or_one_per_party_ending_at_one_width():
 @pytest.mark.parametrize(("given", "why"), [
     ({"algorithm": "svrg"}, "--algorithm sgd"),
     ({"active": 2}, "-m 1"),
-    ({"problem": "least-squares"}, "binary classifier"),
+    ({"problem": "least-squares"}, "a classifier with the logistic loss"),
     ({"label_privacy": "he", "batch_size": 512}, "--label-privacy he"),
     ({"gamma_decay": 0.5}, "--gamma-decay"),
     ({"f_star": 0.1}, r"no f\*"),
