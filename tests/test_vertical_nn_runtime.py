@@ -127,44 +127,40 @@ def _trained(out: Path, rank: int) -> dict[str, np.ndarray]:
         return {name[len("net/"):]: z[name] for name in z.files if name.startswith("net/")}
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("mode", ["sync", "sync-global"])
-def test_a_lock_step_network_job_is_split_learning_on_the_same_batches(tmp_path, mode):
-    """Every parameter (and Adam's state) of every party's network and of the top, after 2 epochs of a
-    real 3-party job, equals the one-process lock-step simulation on the batches the job drew: the
-    secure sum of k-wide contributions, the k-wide (ϑ, i) dispatch and each party's step are split
-    learning exactly (to float32 rounding; the masked sum is exact to 2^-32)."""
-    train(tmp_path, *NET, "-n", "3", "--mode", mode, "--epochs", "2", "--seed", "3")
-    expected = _replayed_lock_step(tmp_path, epochs=2)
-    for rank in range(3):
-        held = _trained(tmp_path, rank)
-        bottom = {name[len("bottom/"):]: v for name, v in held.items() if name.startswith("bottom/")}
-        assert set(bottom) == set(expected[f"party-{rank}"])
-        for name, value in expected[f"party-{rank}"].items():
-            np.testing.assert_allclose(bottom[name], value, rtol=1e-4, atol=1e-5,
-                                       err_msg=f"party {rank} {name}")
-    top = {name[len("top/"):]: v for name, v in _trained(tmp_path, 0).items()
-           if name.startswith("top/")}
-    assert set(top) == set(expected["top"])
-    for name, value in expected["top"].items():
-        np.testing.assert_allclose(top[name], value, rtol=1e-4, atol=1e-5, err_msg=f"top {name}")
+def _assert_same(held: dict[str, np.ndarray], expected: dict[str, np.ndarray], what: str, rtol: float,
+                 atol: float) -> None:
+    assert set(held) == set(expected), what
+    for name, value in expected.items():
+        np.testing.assert_allclose(held[name], value, rtol=rtol, atol=atol, err_msg=f"{what} {name}")
+
+
+def _part(held: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    return {name[len(prefix):]: value for name, value in held.items() if name.startswith(prefix)}
 
 
 @pytest.mark.mpi
-def test_a_resumed_network_job_ends_where_the_uninterrupted_one_does(tmp_path):
-    """Networks, Adam's moments and the dominator's sampler are in the checkpoints: 2 epochs, then 2
-    more resumed, end at the 4-epoch run's every parameter (lock-step, so the runs are deterministic)."""
+def test_a_lock_step_network_job_is_split_learning_and_resumes_where_it_left_off(tmp_path):
+    """Every parameter (and Adam's state) of every party's network and of the top, after 3 epochs of a
+    real 3-party ``sync`` job, equals the one-process lock-step simulation on the batches the job drew:
+    the secure sum of k-wide contributions, the k-wide (ϑ, i) dispatch and each party's step are split
+    learning exactly (to float32 rounding; the masked sum is exact to 2^-32). A ``sync-global`` job of 2
+    epochs resumed for a third (networks, Adam's moments and the sampler in the checkpoints) ends at the
+    same parameters."""
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    train(whole, *NET, "-n", "3", "--mode", "sync", "--epochs", "4")
-    train(resumed, *NET, "-n", "3", "--mode", "sync", "--epochs", "2")
-    proc = train(resumed, "--resume", "--epochs", "4")
+    train(whole, *NET, "-n", "3", "--mode", "sync", "--epochs", "3", "--seed", "3")
+    expected = _replayed_lock_step(whole, epochs=3)
+    for rank in range(3):
+        _assert_same(_part(_trained(whole, rank), "bottom/"), expected[f"party-{rank}"], f"party {rank}",
+                     rtol=1e-4, atol=1e-5)
+    _assert_same(_part(_trained(whole, 0), "top/"), expected["top"], "top", rtol=1e-4, atol=1e-5)
+
+    train(resumed, *NET, "-n", "3", "--mode", "sync-global", "--epochs", "2", "--seed", "3")
+    proc = train(resumed, "--resume", "--epochs", "3")
     assert "resuming from epoch 2" in proc.stdout
     for rank in range(3):
-        a, b = _trained(whole, rank), _trained(resumed, rank)
-        assert set(a) == set(b) and any(name.startswith("bottom/optim/") for name in a)
-        for name in a:
-            np.testing.assert_allclose(b[name], a[name], rtol=1e-6, atol=1e-7,
-                                       err_msg=f"party {rank} {name}")
+        a = _trained(whole, rank)
+        assert any(name.startswith("bottom/optim/") for name in a)
+        _assert_same(_trained(resumed, rank), a, f"resumed party {rank}", rtol=1e-6, atol=1e-7)
     assert metrics(resumed)[-1]["loss"] == pytest.approx(metrics(whole)[-1]["loss"], rel=1e-6)
 
 
@@ -173,7 +169,7 @@ def test_an_asynchronous_network_job_with_per_party_networks_learns(tmp_path):
     """q = 4, each organisation its own network (one spec per party), requests in flight and ϑ riding
     on them: the job learns breast-cancer (a majority-class guess scores 0.63) and says what it ran."""
     proc = train(tmp_path, *NET[:-4], "--bottom", "*-8-4,*-4,*-16-4,*-8-4", "--top", "*-8-*", "-n", "4",
-                 "-P", "4", "--piggyback", "--epochs", "6")
+                 "-P", "4", "--piggyback", "--epochs", "4")
     records = metrics(tmp_path)
     assert records[-1]["test_accuracy"] >= 0.9
     assert records[-1]["loss"] < 0.6 * records[0]["loss"]
@@ -218,3 +214,33 @@ def _predictions_score_as_evaluated(out: Path, accuracy: float) -> None:
     leader = load_party(JobPlan.from_json((out / "config.json").read_text()), 0)
     assert table["id"].astype(np.int64).tolist() == leader.test_ids.tolist()
     assert np.mean(table["predicted_label"] == leader.y_test) == pytest.approx(accuracy, abs=1e-12)
+
+
+@pytest.mark.mpi
+def test_a_network_job_classifies_image_strips_of_ten_classes(tmp_path):
+    """Multiclass through the runtime: digits (8 × 8 images, 10 classes) cut by `vfl split --strips`
+    into 4 vertical strips of 2 pixel columns; the softmax top over the secure sum of 4 networks learns
+    them (a majority guess scores about 0.1) and `vfl predict` writes the class it logged."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    files = tmp_path / "files"
+    subprocess.run([sys.executable, "-m", "vfl.cli", "split", "digits", "-n", "4", "--strips", "--out",
+                    str(files)], cwd=REPO_ROOT, check=True, capture_output=True, timeout=60)
+    out = tmp_path / "run"
+    train(out, "--model", "mlp", "--algorithm", "sgd", "-m", "1", "-n", "4", "--party-files", str(files),
+          "-B", "32", "--epochs", "5", "--gamma", "0.004")
+    accuracy = metrics(out)[-1]["test_accuracy"]
+    assert accuracy >= 0.9
+    proc = subprocess.run([sys.executable, "-m", "vfl.cli", "predict", str(out)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0 and "predicted_label, probability" in proc.stdout, proc.stderr
+    from parties.loading import load_party
+    from parties.plan import JobPlan
+
+    table = np.genfromtxt(out / "predictions-test.csv", delimiter=",", names=True)
+    leader = load_party(JobPlan.from_json((out / "config.json").read_text()), 0)
+    assert np.mean(table["predicted_label"] == leader.y_test) == pytest.approx(accuracy, abs=1e-12)
+    assert np.all((table["probability"] > 0.1) & (table["probability"] <= 1))
