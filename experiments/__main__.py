@@ -44,6 +44,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                     "SCAFCOM/SCALLION paper Figs 2-4 on Fashion-MNIST (Top-r, dithering, beta/alpha sweeps)"),
     "hfl_isca": ("experiments.hfl_isca",
                  "ISCA paper Figs 1-6 on Fashion-MNIST: ISCA/ISCAM vs SCALLION/FedCOMGATE, IID vs non-IID"),
+    "vnn_runtime": ("experiments.vnn_runtime",
+                    "vfl train --model mlp: async vs lock-step with a straggler, and against the centralised net"),
     "vfb2_runtime": ("experiments.vfb2_runtime",
                      "VFB² runtime benchmarks: async vs sync, cost of federation, k threads (issue 4)"),
     "vfb2_batches": ("experiments.vfb2_batches",

@@ -408,10 +408,10 @@ class DataPlane(DominatedLoop):
                 if self.apply_delay:
                     time.sleep(self.apply_delay)
                 started = time.perf_counter()
-                if self.part.merges_messages:
+                if self.part.merges_messages or not self.synchronous:
                     self.part.step(np.concatenate([rows for _, rows, _ in items]),
                                    np.concatenate([thetas for _, _, thetas in items]), writer)
-                else:  # a network: each message is one step of its own batch
+                else:  # a network in lock-step: each message is one step of its own batch
                     for _, rows, thetas in items:
                         self.part.step(rows, thetas, writer)
                 self._straggle(started)

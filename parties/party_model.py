@@ -7,8 +7,11 @@ The runtime drives one of two *parts* through the same calls, so there is one ru
   write ``w`` lock-free from several threads (each its own writer slot); messages queued meanwhile are
   applied in one kernel call (the same result);
 * :class:`NetworkPart` - a party's network of :mod:`vertical.nn` (k values a row): a torch model is not
-  lock-free, so one lock serialises its forward passes and steps, and each (ϑ, i) message is its own
-  step (two messages in one step would be one step of a bigger batch, another algorithm).
+  lock-free, so one lock serialises its forward passes and steps. In the lock-step modes each (ϑ, i)
+  message is one step (split learning exactly). Asynchronously, a party that has fallen behind takes
+  the messages queued meanwhile in one step on the union of their rows (the batch-mean gradient over
+  all of them): with one queued message that is the same step, and a slow party catches up instead of
+  holding the others back through an ever longer queue (``docs/vertical-networks.md``).
 
 Values cross as flat float64 arrays: a contribution of B rows is B·k values (each row's k together),
 and so is ϑ, the layout of the k-wide (ϑ, i) message (``vertical/nn/messages.py``).
@@ -59,6 +62,7 @@ class NetworkPart:
     """A party's network (``party.network``, a :class:`~vertical.nn.base.PartyModel`) and, at the label
     holder, the top network with the loss (``party.top``) on the labels as class indices."""
 
+    #: in lock-step, one step per message; asynchronously the data plane merges what has queued up
     merges_messages = False
 
     def __init__(self, party) -> None:

@@ -1,0 +1,186 @@
+"""Vertical networks on the MPI runtime (issue 28, phase 2): real ``vfl train --model mlp`` jobs.
+
+* **straggler** - one party 3× slower (``--straggler 1 --slowdown 2``): asynchronous VFB² (``--mode
+  async``) against lock-step split learning (``--mode sync-global``), alternating run by run, each
+  evaluated every ``--eval-every`` epochs. The lock-step run's final test accuracy is the target; the
+  speed-up is the lock-step run's training time over the time the asynchronous run first reached it
+  (the issue's goal: ≥ 2×).
+* **accuracy** - the runtime (async) against the centralised network of the same architecture
+  (``vertical/nn/central.py``: every party's network on its own columns, summed, the same top, one
+  process, the same epochs and batch size), per seed; and the time of an epoch of each.
+
+Fashion-MNIST is cut by ``vfl split --strips`` (q vertical strips of the image), the binary datasets
+by random column blocks (the launcher's split). Training time is the runtime's own (evaluations
+excluded); the CPU model and the load average are recorded with every row, because on this shared
+2-core machine numbers at load 6-11 differ 2-50× from quiet ones.
+
+``python -m experiments vnn_runtime --part straggler --dataset a9a --epochs 2 --repeats 2``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from experiments._machine import cpu_model
+
+OUT = Path(__file__).resolve().parent / "results" / "vnn_runtime"
+REPO = Path(__file__).resolve().parents[1]
+COLOURS = {"async": "tab:blue", "sync-global": "tab:orange", "central": "tab:green"}
+
+
+def _job(folder: Path, dataset: str, parties: int, args: list[str]) -> list[dict]:
+    """One ``vfl train --model mlp`` job; its metrics records."""
+    data = (["--party-files", str(_strips(folder.parent, dataset, parties))] if dataset == "fashion-mnist"
+            else ["--dataset", dataset])
+    cmd = [sys.executable, "-m", "vfl.cli", "train", "--model", "mlp", "--algorithm", "sgd", "-m", "1",
+           "-n", str(parties), *data, "--out", str(folder), "--overwrite", "--no-progress", *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def _strips(root: Path, dataset: str, parties: int) -> Path:
+    folder = root / f"{dataset}-{parties}-strips"
+    if not (folder / "manifest.json").exists():
+        subprocess.run([sys.executable, "-m", "vfl.cli", "split", dataset, "-n", str(parties), "--strips",
+                        "--out", str(folder), "--overwrite"], cwd=REPO, check=True, capture_output=True)
+    return folder
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def straggler(args, work: Path) -> list[dict]:
+    rows = []
+    common = ["-B", str(args.batch), "--epochs", str(args.epochs), "--eval-every", str(args.eval_every),
+              "--straggler", "1", "--slowdown", str(args.slowdown), "--bottom", args.bottom, "--top", args.top]
+    for repeat in range(args.repeats):
+        runs = {}
+        for mode in ("sync-global", "async"):  # alternating, side by side
+            load = _load()
+            extra = ["--mode", mode] + (["-P", str(args.inflight)] if mode == "async" else [])
+            runs[mode] = _job(work / f"{mode}-{repeat}", args.dataset, args.parties,
+                              common + extra + ["--seed", str(repeat)])
+            runs[mode + "-load"] = load
+        target = runs["sync-global"][-1]["test_accuracy"]
+        lock_time = runs["sync-global"][-1]["time"]
+        reached = next((r["time"] for r in runs["async"] if r["test_accuracy"] >= target), None)
+        for mode in ("sync-global", "async"):
+            rows.append({"part": "straggler", "dataset": args.dataset, "repeat": repeat, "mode": mode,
+                         "final_accuracy": runs[mode][-1]["test_accuracy"], "train_time": runs[mode][-1]["time"],
+                         "time_to_target": lock_time if mode == "sync-global" else reached,
+                         "target": target, "speedup": (lock_time / reached) if reached else None,
+                         "curve": [(r["time"], r["test_accuracy"]) for r in runs[mode]],
+                         "load": round(runs[mode + "-load"], 2), "cpu": cpu_model()})
+    return rows
+
+
+def _central(dataset: str, parties: int, bottom: str, top: str, epochs: int, batch: int, seed: int) -> dict:
+    """The centralised network of the runtime's architecture on the job's columns, one process."""
+    import torch
+
+    from vertical.datasets import load
+    from vertical.nn.central import AssembledNetwork, train_central
+    from vertical.nn.networks import OptimizerSpec, build_split_network
+    from vertical.partition import image_strips, random_blocks
+
+    torch.set_num_threads(1)
+    ds = load(dataset, seed=0)
+    if dataset == "fashion-mnist":
+        columns, y, y_test = image_strips(28, 28, parties), ds.y_train, ds.y_test
+        n_classes = 10
+    else:
+        columns = random_blocks(ds.n_features, parties, seed=seed)
+        y, y_test, n_classes = (ds.y_train > 0).astype(np.int64), (ds.y_test > 0).astype(np.int64), 2
+    optimizer = OptimizerSpec("adam", lr=1e-3, weight_decay=1e-4)  # the runtime's defaults (--lam 1e-4)
+    bottoms, head = build_split_network(ds.X_train, columns, bottom, top, n_classes, optimizer=optimizer,
+                                        seed=seed)
+    model = AssembledNetwork.from_parties(bottoms, columns, head)
+    started = time.perf_counter()
+    train_central(model, ds.X_train, y, epochs=epochs, batch_size=batch, optimizer=optimizer, seed=seed)
+    seconds = time.perf_counter() - started
+    proba = model.predict_proba(ds.X_test)
+    return {"test_accuracy": float(np.mean(proba.argmax(axis=1) == y_test)), "time": seconds}
+
+
+def accuracy(args, work: Path) -> list[dict]:
+    rows = []
+    for seed in range(args.seeds):
+        load = _load()
+        records = _job(work / f"async-{seed}", args.dataset, args.parties,
+                       ["-B", str(args.batch), "--epochs", str(args.epochs), "--bottom", args.bottom,
+                        "--top", args.top, "-P", str(args.inflight), "--seed", str(seed)])
+        rows.append({"part": "accuracy", "dataset": args.dataset, "seed": seed, "mode": "async",
+                     "final_accuracy": records[-1]["test_accuracy"], "train_time": records[-1]["time"],
+                     "epoch_time": records[-1]["time"] / args.epochs, "load": round(load, 2), "cpu": cpu_model()})
+        load = _load()
+        central = _central(args.dataset, args.parties, args.bottom, args.top, args.epochs, args.batch, seed)
+        rows.append({"part": "accuracy", "dataset": args.dataset, "seed": seed, "mode": "central",
+                     "final_accuracy": central["test_accuracy"], "train_time": central["time"],
+                     "epoch_time": central["time"] / args.epochs, "load": round(load, 2), "cpu": cpu_model()})
+    return rows
+
+
+def write(rows: list[dict], name: str) -> None:
+    from experiments import _plotting
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    lines = ["| part | dataset | run | mode | test accuracy | training s | to target s | load | CPU |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        to_target = r.get("time_to_target")
+        lines.append(f"| {r['part']} | {r['dataset']} | {r.get('repeat', r.get('seed'))} | {r['mode']} | "
+                     f"{r['final_accuracy']:.4f} | {r['train_time']:.2f} | "
+                     f"{'-' if to_target is None else f'{to_target:.2f}'} | {r['load']} | {r['cpu']} |")
+    (OUT / f"{name}.md").write_text("\n".join(lines) + "\n")
+    curves = [r for r in rows if "curve" in r]
+    if curves:
+        plt = _plotting.pyplot()
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in curves:
+            t, a = zip(*r["curve"], strict=True)
+            ax.plot(t, a, color=COLOURS[r["mode"]], alpha=0.8,
+                    label=r["mode"] if r["repeat"] == 0 else None)
+        ax.set_xlabel("training time (s)")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(f"{rows[0]['dataset']}: one party 3× slower")
+        _plotting.figure_legend(fig)
+        _plotting.save(fig, OUT / f"{name}.png")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=("straggler", "accuracy"), required=True)
+    p.add_argument("--dataset", default="a9a")
+    p.add_argument("-n", "--parties", type=int, default=4)
+    p.add_argument("--epochs", type=float, default=2)
+    p.add_argument("--eval-every", type=float, default=0.25)
+    p.add_argument("-B", "--batch", type=int, default=64)
+    p.add_argument("-P", "--inflight", type=int, default=4)
+    p.add_argument("--slowdown", type=float, default=2.0)
+    p.add_argument("--bottom", default="*-64-16")
+    p.add_argument("--top", default="*-*")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--seeds", type=int, default=3)
+    args = p.parse_args(argv)
+    if args.part == "accuracy":
+        if args.epochs != int(args.epochs):
+            p.error("--part accuracy trains whole epochs")
+        args.epochs = int(args.epochs)
+    with tempfile.TemporaryDirectory(prefix="vnn-runtime-") as tmp:
+        rows = (straggler if args.part == "straggler" else accuracy)(args, Path(tmp))
+    write(rows, f"{args.part}-{args.dataset}")
+    print((OUT / f"{args.part}-{args.dataset}.md").read_text())
