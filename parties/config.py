@@ -32,8 +32,9 @@ LAZY_FROM_COLUMNS = 10_000
 UPDATES = ("auto", "lazy", "eager")
 
 #: How the labels are protected: not at all (plain VFB²), ε-label-DP by randomized response, or
-#: passive parties see ϑ only under additively homomorphic encryption (protocols/label_he.py).
-LABEL_PRIVACY = ("none", "dp", "he")
+#: passive parties see ϑ only under additively homomorphic encryption (protocols/label_he.py); for
+#: networks (--model mlp), each row's vector ϑ clipped and noised (vertical/nn/protection.py).
+LABEL_PRIVACY = ("none", "dp", "he", "dp-theta")
 #: What --label-privacy he can run: steps that need only a batch's summed gradient (SAGA keeps ϑ per row).
 HE_ALGORITHMS = ("sgd", "svrg")
 #: protocols.label_he's SCHEMES and KEY_BITS (tests/test_options.py checks that they agree).
@@ -230,7 +231,9 @@ class RunConfig:
         "none", "--label-privacy", choices=LABEL_PRIVACY,
         help="none: passive parties can infer the labels from ϑ; dp: ε-label-DP by randomized response on "
              "the training labels (needs --epsilon, -m 1); he: passive parties get ϑ only encrypted and "
-             "learn their batch gradients (sgd, -B above every passive block's width)")
+             "learn their batch gradients (sgd, -B above every passive block's width); dp-theta (--model "
+             "mlp): each row's ϑ clipped to norm 1 with Gaussian noise for --epsilon/--delta over the "
+             "run's passes, the top stepping by DP-SGD")
     he_scheme: str = option("ou", "--he-scheme", choices=HE_SCHEMES,
                             help="additively homomorphic scheme of --label-privacy he (ou: ~20x faster, "
                                  "for a dominator that follows the protocol; paillier: also for one that "
@@ -424,12 +427,26 @@ def _check_label_privacy(c: RunConfig) -> None:
         if c.target_suboptimality is not None or c.f_star is not None:
             raise ConfigError("--label-privacy dp does not use f*: f* of the true labels would leak them; "
                               "drop --target-suboptimality / --f-star")
-    elif c.epsilon is not None and c.label_privacy != "he":
-        raise ConfigError("--epsilon needs --label-privacy dp or he")
+    elif c.epsilon is not None and c.label_privacy not in ("he", "dp-theta"):
+        raise ConfigError("--epsilon needs --label-privacy dp, he or dp-theta")
     if c.label_privacy == "he":
         _check_he(c)
-    elif c.he_pack:
+    elif c.label_privacy == "dp-theta":
+        _check_dp_theta(c)
+    if c.he_pack and c.label_privacy != "he":
         raise ConfigError("--he-pack packs --label-privacy he's decryptions: it needs --label-privacy he")
+
+
+def _check_dp_theta(c: RunConfig) -> None:
+    """``--label-privacy dp-theta``: a network's ϑ noised over a fixed number of passes."""
+    if c.model == "linear":
+        raise ConfigError("--label-privacy dp-theta protects a network's vector ϑ (--model mlp); the linear "
+                          "model's ϑ is noised by --label-privacy he --epsilon")
+    if c.epsilon is None or not 0 < c.epsilon < float("inf"):
+        raise ConfigError("--label-privacy dp-theta needs --epsilon, a positive number (e.g. 1, 4, 16)")
+    if c.resume:
+        raise ConfigError("--label-privacy dp-theta cannot --resume: the batch schedule would start over, "
+                          "and rows could be in more batches than the privacy accounting allows")
 
 
 def _check_he(c: RunConfig) -> None:

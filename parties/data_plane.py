@@ -120,6 +120,8 @@ class DataPlane(DominatedLoop):
         self.node_lock = threading.Lock()
         self.inbox = Inbox(self.q, width=self.width)
         self._label_state(label)
+        if options.label_privacy == "dp-theta":
+            self._protect_theta(options)
         #: with keys, every message between parties is sealed (authenticated encryption), per plane
         self.channels = None if options.keys is None else options.keys.channels(self.rank, b"data")
         wire_words = self.max_words + (0 if self.channels is None else OVERHEAD_WORDS)
@@ -172,6 +174,20 @@ class DataPlane(DominatedLoop):
             self.max_words = max(self.max_words, 1 + (2 + b + b * k) + (HEADER_WORDS + b))
         self._noise_std = 0.0 if label is None else label.noise_std
         self._batches = None if label is None else label.batches
+
+    def _protect_theta(self, options: RuntimeOptions) -> None:
+        """``--label-privacy dp-theta``: the label holder's top releases each row's ϑ clipped and noised
+        (σ from the plan's accountant), and draws its batches a pass at a time, so that a row is in one
+        release a pass (``vertical/nn/protection.py``)."""
+        from parties.label_plane import PassBatches
+        from vertical.nn.protection import LabelProtection
+
+        assert options.noise_multiplier is not None, "the launcher sizes σ (parties.plan.noise_multiplier)"
+        self.part.protection = LabelProtection(clip=1.0, noise_multiplier=options.noise_multiplier,
+                                               rng=np.random.default_rng([options.seed, 0xD7, self.rank]))
+        if self.party.active:
+            self._batches = PassBatches(self.party.block.n_rows, self.batch_size, len(self.active_ranks),
+                                        self.active_ranks.index(self.rank), options.seed)
 
     def start(self) -> None:
         """Warm up, wait until every party has (silence from then on means something), start the threads."""

@@ -120,8 +120,10 @@ def prepare(options: RunConfig, *, given: frozenset[str] | None = None, echo: bo
         return _prepare_resume(options, differing_options(options) if given is None else given, echo)
     plan = resolve(options)
     if echo and plan.noise_multiplier:
-        print(f"vfl train: label-DP ε = {plan.epsilon:g}, δ = {plan.delta:g}: every ϑ is encrypted with "
-              f"Gaussian noise of σ = {plan.noise_multiplier:.3g} added", flush=True)
+        what = ("each row's ϑ is clipped to norm 1 and released with Gaussian noise of noise multiplier"
+                if plan.label_privacy == "dp-theta" else "every ϑ is encrypted with Gaussian noise of")
+        print(f"vfl train: label-DP ε = {plan.epsilon:g}, δ = {plan.delta:g}: {what} σ = "
+              f"{plan.noise_multiplier:.3g}", flush=True)
     chosen_for_the_user = options.out is None
     out = run_folder(plan)  # named after the resolved dataset (news20-standin, not news20)
     plan = dataclasses.replace(plan, out=str(out))

@@ -71,6 +71,8 @@ class NetworkPart:
         self.labels = getattr(party, "classes", None)
         self.k = int(self.model.k)
         self.lock = threading.Lock()
+        #: ``--label-privacy dp-theta``: the release of each row's ϑ (clipped, noised; the top by DP-SGD)
+        self.protection = None
 
     def contribute(self, rows: np.ndarray) -> np.ndarray:
         with self.lock:
@@ -83,7 +85,7 @@ class NetworkPart:
     def theta(self, scores: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The top's step on ``z_B`` (the secure sum of every party's contribution) and the rows' ϑ."""
         assert self.top is not None and self.labels is not None, "only a label holder computes ϑ"
-        theta, _ = self.top.step(scores.reshape(-1, self.k), self.labels[rows])
+        theta, _ = self.top.step(scores.reshape(-1, self.k), self.labels[rows], self.protection)
         return np.ascontiguousarray(theta, dtype=np.float64).ravel()
 
     def warm_up(self) -> None:

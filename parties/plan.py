@@ -207,7 +207,8 @@ def label_dp_releases(options: RunConfig, n_train: int) -> int:
     short."""
     per_pass = (n_train // options.batch_size) // options.active
     if per_pass < 1:
-        raise ConfigError(f"--label-privacy he --epsilon needs a batch per dominator in each pass: "
+        raise ConfigError(f"--label-privacy {options.label_privacy} --epsilon needs a batch per dominator in "
+                          f"each pass: "
                           f"{n_train} rows make {n_train // options.batch_size} batches of "
                           f"{options.batch_size} for {options.active} dominators")
     steps = sum(quota for _, quota in segment_schedule(options, n_train))
@@ -215,8 +216,13 @@ def label_dp_releases(options: RunConfig, n_train: int) -> int:
 
 
 def noise_multiplier(options: RunConfig, n_train: int) -> float | None:
-    """σ of ``--label-privacy he --epsilon`` (None without it): the smallest that meets (ε, δ) over the
-    job's :func:`label_dp_releases`. Always derived, never read from a file: no stale value."""
+    """σ of ``--label-privacy he --epsilon`` or ``dp-theta`` (None without it): the smallest that meets
+    (ε, δ) over the job's :func:`label_dp_releases`. Always derived, never read from a file: no stale
+    value."""
+    if options.label_privacy == "dp-theta" and options.epsilon is not None:
+        from vertical.label_privacy import gaussian_noise_multiplier
+
+        return gaussian_noise_multiplier(options.epsilon, options.delta, label_dp_releases(options, n_train))
     if options.label_privacy != "he" or options.epsilon is None or options.active == options.parties:
         return None  # the noise hides ϑ's labels from passive parties: without them there is none
     from protocols.label_he import VALUE_BITS

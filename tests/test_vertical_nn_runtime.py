@@ -84,6 +84,9 @@ def test_bottom_specs_are_one_for_all_or_one_per_party_ending_at_one_width():
     ({"bottom": "*-8-*"}, r"'\*' only stands first"),
     ({"top": "5-*"}, "first width must be 16"),
     ({"bottom": "*-5000", "batch_size": 4000}, "at most k = 4096"),
+    ({"label_privacy": "dp-theta"}, "needs --epsilon"),
+    ({"label_privacy": "dp-theta", "epsilon": 1.0, "resume": True}, "cannot --resume"),
+    ({"model": "linear", "label_privacy": "dp-theta", "epsilon": 1.0}, "protects a network's vector"),
 ])
 def test_what_a_network_cannot_keep_is_refused_in_one_line(given, why):
     with pytest.raises(ConfigError, match=why) as err:
@@ -94,7 +97,8 @@ def test_what_a_network_cannot_keep_is_refused_in_one_line(given, why):
 def test_what_a_network_keeps_is_accepted():
     for given in ({}, {"mode": "sync"}, {"mode": "sync-global"}, {"piggyback": True, "inflight": 4},
                   {"secure_channels": True}, {"label_privacy": "dp", "epsilon": 2.0},
-                  {"bottom": "*-16-8,*-8,*-32-8", "top": "8-4-1"}, {"straggler": 2, "slowdown": 2.0}):
+                  {"bottom": "*-16-8,*-8,*-32-8", "top": "8-4-1"}, {"straggler": 2, "slowdown": 2.0},
+                  {"label_privacy": "dp-theta", "epsilon": 1.0, "mode": "sync-global"}):
         validate(_net(**given))
 
 
@@ -169,7 +173,7 @@ def test_an_asynchronous_network_job_with_per_party_networks_learns(tmp_path):
     """q = 4, each organisation its own network (one spec per party), requests in flight and ϑ riding
     on them: the job learns breast-cancer (a majority-class guess scores 0.63) and says what it ran."""
     proc = train(tmp_path, *NET[:-4], "--bottom", "*-8-4,*-4,*-16-4,*-8-4", "--top", "*-8-*", "-n", "4",
-                 "-P", "4", "--piggyback", "--epochs", "4")
+                 "-P", "4", "--piggyback", "--epochs", "4", "--audit")
     records = metrics(tmp_path)
     assert records[-1]["test_accuracy"] >= 0.9
     assert records[-1]["loss"] < 0.6 * records[0]["loss"]
@@ -179,6 +183,33 @@ def test_an_asynchronous_network_job_with_per_party_networks_learns(tmp_path):
     assert result["outcome"] == "budget"
     _predictions_score_as_evaluated(tmp_path, records[-1]["test_accuracy"])
     _serve_and_export_refuse_a_network_run(tmp_path)
+    leak = _direction_attack(tmp_path, rank=3)
+    assert leak["accuracy"] >= 0.95, leak  # unprotected: a passive party reads the labels off ϑ
+
+
+def _direction_attack(out: Path, rank: int) -> dict[str, float]:
+    """Li et al.'s direction attack on passive party ``rank``'s own ``--audit`` transcript, oriented by
+    20 labels the attacker knows, judged against the leader's labels."""
+    from experiments.label_attacks import Transcript, judge, theta_direction
+    from parties.loading import load_party
+    from parties.plan import JobPlan
+
+    y = load_party(JobPlan.from_json((out / "config.json").read_text()), 0).y
+    known = (np.arange(20), y[:20])
+    return judge(theta_direction(Transcript.load(out / f"audit-{rank}.npz"), y.size, known), y)
+
+
+@pytest.mark.mpi
+def test_the_protected_mode_defeats_the_direction_attack_that_reads_an_unprotected_run(tmp_path):
+    """``--label-privacy dp-theta --epsilon 1``: each row's ϑ clipped and noised (σ from the accountant
+    over the run's passes, printed), the top by DP-SGD; on a passive party's transcript the direction
+    attack that reads ≥ 95 % of the labels of an unprotected run (the test above) is near chance."""
+    proc = train(tmp_path, *NET[:-4], "--bottom", "*-8-4", "--top", "*-8-*", "-n", "3", "--epochs", "3",
+                 "--label-privacy", "dp-theta", "--epsilon", "1", "--audit")
+    assert "label-DP ε = 1, δ = 1e-05: each row's ϑ is clipped to norm 1" in proc.stdout
+    attack = _direction_attack(tmp_path, rank=2)
+    assert attack["coverage"] > 0.9 and abs(attack["auc"] - 0.5) <= 0.15, attack
+    assert all(math.isfinite(r["loss"]) for r in metrics(tmp_path))
 
 
 def _serve_and_export_refuse_a_network_run(out: Path) -> None:
