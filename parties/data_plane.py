@@ -249,11 +249,12 @@ class DataPlane(DominatedLoop):
     def _comm_loop(self) -> None:
         # One blocking Recv(ANY_SOURCE, ANY_TAG) into a reused buffer (MpiTransport.recv_any): with ranks
         # outnumbering cores, Probe + Recv measured 1-8 ms per round trip here, a plain Recv 20-35 µs; HE
-        # polls, sleeping up to 1 ms (its batches take tens of ms, and MPICH's Recv spins: runtime.md).
+        # and a network part poll, sleeping up to 1 ms (their messages come milliseconds apart, and MPICH's
+        # Recv spins: runtime.md; a network's epoch took 1.6-1.7x longer spinning, docs/vertical-networks.md).
         # Everything another party sends is validated here, before it can reach a kernel: the envelope by
         # check_envelope, the contents by Inbox (ϑ, i; DONE) and AggregationNode.receive (with this party's
         # n_rows for REQUEST indices); a ProtocolViolation names the sender, the thread's guard ends the job.
-        idle = (lambda: None,) if self.he else ()
+        idle = (lambda: None,) if self.he or self.part.polls else ()
         while True:
             source, tag, msg = self.transport.recv_any(*idle)  # framing, sizes and seals checked there
             check_envelope(source, tag, msg.nbytes, rank=self.rank, active_ranks=self.active_ranks,

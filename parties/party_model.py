@@ -30,6 +30,8 @@ class LinearPart:
     k = 1
     #: queued (ϑ, i) messages may be applied in one kernel call: the same iterates
     merges_messages = True
+    #: a B = 1 update takes microseconds: the communication thread waits in MPI's blocking receive
+    polls = False
 
     def __init__(self, party) -> None:
         self.party = party
@@ -64,6 +66,10 @@ class NetworkPart:
 
     #: in lock-step, one step per message; asynchronously the data plane merges what has queued up
     merges_messages = False
+    #: the communication thread polls (sleeping up to 1 ms) rather than spinning in MPI's blocking
+    #: receive: a network's messages come milliseconds apart, and a spinning receiver takes the core
+    #: from the party's own forward and backward passes
+    polls = True
 
     def __init__(self, party) -> None:
         self.model = party.network
