@@ -64,13 +64,17 @@ def _load() -> float:
 
 def straggler(args, work: Path) -> list[dict]:
     rows = []
-    common = ["-B", str(args.batch), "--epochs", str(args.epochs), "--eval-every", str(args.eval_every),
-              "--straggler", "1", "--slowdown", str(args.slowdown), "--bottom", args.bottom, "--top", args.top]
+    common = ["-B", str(args.batch), "--eval-every", str(args.eval_every),
+              "--straggler", "1", "--slowdown", str(args.slowdown), "--bottom", args.bottom,
+              "--top", args.top]
     for repeat in range(args.repeats):
         runs = {}
         for mode in ("sync-global", "async"):  # alternating, side by side
             load = _load()
-            extra = ["--mode", mode] + (["-P", str(args.inflight)] if mode == "async" else [])
+            # the asynchronous run may go on past the lock-step run's epochs to reach its accuracy
+            epochs = args.epochs * (args.async_factor if mode == "async" else 1)
+            extra = ["--mode", mode, "--epochs", str(epochs)] + (["-P", str(args.inflight)]
+                                                                 if mode == "async" else [])
             runs[mode] = _job(work / f"{mode}-{repeat}", args.dataset, args.parties,
                               common + extra + ["--seed", str(repeat)])
             runs[mode + "-load"] = load
@@ -79,7 +83,8 @@ def straggler(args, work: Path) -> list[dict]:
         reached = next((r["time"] for r in runs["async"] if r["test_accuracy"] >= target), None)
         for mode in ("sync-global", "async"):
             rows.append({"part": "straggler", "dataset": args.dataset, "repeat": repeat, "mode": mode,
-                         "final_accuracy": runs[mode][-1]["test_accuracy"], "train_time": runs[mode][-1]["time"],
+                         "final_accuracy": runs[mode][-1]["test_accuracy"],
+                         "train_time": runs[mode][-1]["time"],
                          "time_to_target": lock_time if mode == "sync-global" else reached,
                          "target": target, "speedup": (lock_time / reached) if reached else None,
                          "curve": [(r["time"], r["test_accuracy"]) for r in runs[mode]],
@@ -104,15 +109,33 @@ def _central(dataset: str, parties: int, bottom: str, top: str, epochs: int, bat
     else:
         columns = random_blocks(ds.n_features, parties, seed=seed)
         y, y_test, n_classes = (ds.y_train > 0).astype(np.int64), (ds.y_test > 0).astype(np.int64), 2
+    X, X_test = _scaled_as_the_parties(ds.X_train, ds.X_test, columns)
     optimizer = OptimizerSpec("adam", lr=1e-3, weight_decay=1e-4)  # the runtime's defaults (--lam 1e-4)
-    bottoms, head = build_split_network(ds.X_train, columns, bottom, top, n_classes, optimizer=optimizer,
-                                        seed=seed)
+    bottoms, head = build_split_network(X, columns, bottom, top, n_classes, optimizer=optimizer, seed=seed)
     model = AssembledNetwork.from_parties(bottoms, columns, head)
     started = time.perf_counter()
-    train_central(model, ds.X_train, y, epochs=epochs, batch_size=batch, optimizer=optimizer, seed=seed)
+    train_central(model, X, y, epochs=epochs, batch_size=batch, optimizer=optimizer, seed=seed)
     seconds = time.perf_counter() - started
-    proba = model.predict_proba(ds.X_test)
+    proba = model.predict_proba(X_test)
     return {"test_accuracy": float(np.mean(proba.argmax(axis=1) == y_test)), "time": seconds}
+
+
+def _scaled_as_the_parties(X, X_test, columns):
+    """Each party's columns scaled as ``--standardize on`` scales them at the party (its training rows'
+    statistics), so that the centralised network sees the data the runtime's networks see."""
+    import scipy.sparse as sp
+
+    from vertical.standardize import apply_scaling, fit_scaling
+
+    X, X_test = sp.csc_matrix(X, dtype=np.float64), sp.csc_matrix(X_test, dtype=np.float64)
+    train_parts, test_parts = [], []
+    for cols in columns:
+        scaling = fit_scaling(X[:, cols], "on")
+        train_parts.append(apply_scaling(X[:, cols], scaling))
+        test_parts.append(apply_scaling(X_test[:, cols], scaling))
+    order = np.argsort(np.concatenate(columns))  # back to the data's column order
+    return (sp.hstack(train_parts).tocsc()[:, order].toarray(),
+            sp.hstack(test_parts).tocsc()[:, order].toarray())
 
 
 def accuracy(args, work: Path) -> list[dict]:
@@ -124,7 +147,8 @@ def accuracy(args, work: Path) -> list[dict]:
                         "--top", args.top, "-P", str(args.inflight), "--seed", str(seed)])
         rows.append({"part": "accuracy", "dataset": args.dataset, "seed": seed, "mode": "async",
                      "final_accuracy": records[-1]["test_accuracy"], "train_time": records[-1]["time"],
-                     "epoch_time": records[-1]["time"] / args.epochs, "load": round(load, 2), "cpu": cpu_model()})
+                     "epoch_time": records[-1]["time"] / args.epochs, "load": round(load, 2),
+                     "cpu": cpu_model()})
         load = _load()
         central = _central(args.dataset, args.parties, args.bottom, args.top, args.epochs, args.batch, seed)
         rows.append({"part": "accuracy", "dataset": args.dataset, "seed": seed, "mode": "central",
@@ -171,6 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-B", "--batch", type=int, default=64)
     p.add_argument("-P", "--inflight", type=int, default=4)
     p.add_argument("--slowdown", type=float, default=2.0)
+    p.add_argument("--async-factor", type=float, default=2.0,
+                   help="straggler: the asynchronous run trains this many times the epochs, to reach the "
+                        "lock-step run's final accuracy")
     p.add_argument("--bottom", default="*-64-16")
     p.add_argument("--top", default="*-*")
     p.add_argument("--repeats", type=int, default=2)
