@@ -178,13 +178,14 @@ class DataPlane(DominatedLoop):
     def _protect_theta(self, options: RuntimeOptions) -> None:
         """``--label-privacy dp-theta``: the label holder's top releases each row's ϑ clipped and noised
         (σ from the plan's accountant), and draws its batches a pass at a time, so that a row is in one
-        release a pass (``vertical/nn/protection.py``)."""
+        release a pass (``vertical/nn/protection.py``). The noise comes from OS entropy: a seed the
+        other parties know (the job's is in config.json) would let them subtract it."""
         from parties.label_plane import PassBatches
         from vertical.nn.protection import LabelProtection
 
         assert options.noise_multiplier is not None, "the launcher sizes σ (parties.plan.noise_multiplier)"
         self.part.protection = LabelProtection(clip=1.0, noise_multiplier=options.noise_multiplier,
-                                               rng=np.random.default_rng([options.seed, 0xD7, self.rank]))
+                                               rng=np.random.default_rng())
         if self.party.active:
             self._batches = PassBatches(self.party.block.n_rows, self.batch_size, len(self.active_ranks),
                                         self.active_ranks.index(self.rank), options.seed)

@@ -204,12 +204,21 @@ def test_the_protected_mode_defeats_the_direction_attack_that_reads_an_unprotect
     """``--label-privacy dp-theta --epsilon 1``: each row's ϑ clipped and noised (σ from the accountant
     over the run's passes, printed), the top by DP-SGD; on a passive party's transcript the direction
     attack that reads ≥ 95 % of the labels of an unprotected run (the test above) is near chance."""
-    proc = train(tmp_path, *NET[:-4], "--bottom", "*-8-4", "--top", "*-8-*", "-n", "3", "--epochs", "3",
-                 "--label-privacy", "dp-theta", "--epsilon", "1", "--audit")
+    protected = ["--bottom", "*-8-4", "--top", "*-8-*", "-n", "3", "--mode", "sync", "--label-privacy",
+                 "dp-theta", "--epsilon", "1", "--audit"]
+    proc = train(tmp_path / "a", *NET[:-4], *protected, "--epochs", "3")
     assert "label-DP ε = 1, δ = 1e-05: each row's ϑ is clipped to norm 1" in proc.stdout
-    attack = _direction_attack(tmp_path, rank=2)
+    attack = _direction_attack(tmp_path / "a", rank=2)
     assert attack["coverage"] > 0.9 and abs(attack["auc"] - 0.5) <= 0.15, attack
-    assert all(math.isfinite(r["loss"]) for r in metrics(tmp_path))
+    assert all(math.isfinite(r["loss"]) for r in metrics(tmp_path / "a"))
+    # the noise is drawn from OS entropy: the same lock-step job again (everything else deterministic)
+    # sends other ϑ's; noise from the job's seed, which config.json gives every party, could be subtracted
+    train(tmp_path / "b", *NET[:-4], *protected, "--epochs", "1")
+    from experiments.label_attacks import Transcript, theta_batches
+
+    first = [theta_batches(Transcript.load(tmp_path / run / "audit-2.npz"))[0] for run in ("a", "b")]
+    assert np.array_equal(first[0][0], first[1][0])  # the same rows: the batches are the job's
+    assert not np.allclose(first[0][1], first[1][1])  # other noise
 
 
 def _serve_and_export_refuse_a_network_run(out: Path) -> None:
