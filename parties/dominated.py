@@ -15,7 +15,9 @@ import time
 import numpy as np
 
 from parties.label_plane import HE_AHEAD
+from parties.lifecycle import stop_job
 from parties.messages import TAG_DONE, TAG_HE_BATCH, TAG_THETA, TAG_THETA_REQUEST
+from parties.party_model import Diverged
 from protocols.aggregation import Completed
 from protocols.dispatch import pack, piggyback
 
@@ -89,7 +91,11 @@ class DominatedLoop:
             if not pending:
                 break
             step_rows, slot = pending.popleft()
-            thetas = self.part.theta(slot.get(), step_rows)  # B·k values, each row's k together
+            try:
+                thetas = self.part.theta(slot.get(), step_rows)  # B·k values, each row's k together
+            except Diverged as err:
+                stop_job(self.data, self.rank, "diverged", str(err))
+                raise
             if self._noise_std:  # --epsilon: ϑ̃, for every party (label_plane.LabelPlane.setup_noise)
                 thetas = self.label.perturb(thetas)
             if self.dispatch:

@@ -24,6 +24,10 @@ import threading
 import numpy as np
 
 
+class Diverged(ArithmeticError):
+    """A label holder's ϑ is not finite: the run diverged (the job ends with that outcome)."""
+
+
 class LinearPart:
     """``w·x`` of a party's linear block and its VFB² update rule (k = 1)."""
 
@@ -92,7 +96,10 @@ class NetworkPart:
         """The top's step on ``z_B`` (the secure sum of every party's contribution) and the rows' ϑ."""
         assert self.top is not None and self.labels is not None, "only a label holder computes ϑ"
         theta, _ = self.top.step(scores.reshape(-1, self.k), self.labels[rows], self.protection)
-        return np.ascontiguousarray(theta, dtype=np.float64).ravel()
+        theta = np.ascontiguousarray(theta, dtype=np.float64).ravel()
+        if not np.all(np.isfinite(theta)):  # sent, every receiver would refuse it and name this party
+            raise Diverged("the top's ϑ is not finite: the networks diverged (lower --gamma, Adam's step)")
+        return theta
 
     def warm_up(self) -> None:
         self.contribute(np.zeros(1, dtype=np.int64))

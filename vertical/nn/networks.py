@@ -169,8 +169,10 @@ class MLPBottom(PartyModel):
         if self._sparse:
             self.X = sp.csr_matrix(X)
         else:
-            dense = X.toarray() if sp.issparse(X) else np.asarray(X)
-            self.X = torch.as_tensor(dense, dtype=self.dtype)
+            dense = X.toarray() if sp.issparse(X) else X
+            # a copy in the model's dtype: a party's memory-mapped block is read-only, which torch warns of
+            self.X = torch.from_numpy(np.array(dense, dtype=np.float32 if self.dtype == torch.float32
+                                               else np.float64))
 
     def _inputs(self, rows: np.ndarray) -> torch.Tensor:
         rows = np.asarray(rows, dtype=np.int64)
