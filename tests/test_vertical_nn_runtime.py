@@ -284,3 +284,35 @@ def test_a_network_job_classifies_image_strips_of_ten_classes(tmp_path):
     leader = load_party(JobPlan.from_json((out / "config.json").read_text()), 0)
     assert np.mean(table["predicted_label"] == leader.y_test) == pytest.approx(accuracy, abs=1e-12)
     assert np.all((table["probability"] > 0.1) & (table["probability"] <= 1))
+
+
+def test_a_checkpoint_of_another_network_or_planted_arrays_is_refused_before_it_is_read(tmp_path):
+    """A party file is untrusted input: the network's arrays must be exactly the names this party's
+    network may hold, each of its shape (checked from the headers), finite; one line otherwise."""
+    from types import SimpleNamespace
+
+    torch = pytest.importorskip("torch")
+    from parties.checkpoint import load_checkpoint, save_checkpoint
+    from parties.party_model import NetworkPart
+    from vertical.nn.networks import MLPBottom
+
+    torch.set_num_threads(1)
+    X = np.random.default_rng(0).random((20, 5))
+    part = NetworkPart(SimpleNamespace(network=MLPBottom(X, "*-4-2"), top=None, classes=None))
+    part.step(np.arange(4), np.ones(8), writer=1)  # Adam's moments exist from the first step on
+    save_checkpoint(tmp_path, 1, np.zeros(5), 1.0, 0.5, 10, network=part.state())
+    restored = load_checkpoint(tmp_path, 1, 5, 1.0, part.state_shapes())
+    assert restored.network is not None and set(restored.network) == set(part.state())
+    other = NetworkPart(SimpleNamespace(network=MLPBottom(X, "*-8-2"), top=None, classes=None))
+    with pytest.raises(ValueError, match=r"is damaged \(its network's bottom/.* has shape \(4, 5\), this "
+                                         r"party's has \(8, 5\)\)") as err:
+        load_checkpoint(tmp_path, 1, 5, 1.0, other.state_shapes())
+    assert "\n" not in str(err.value)
+    planted = {**part.state(), "bottom/param/evil": np.zeros(3)}
+    save_checkpoint(tmp_path, 1, np.zeros(5), 1.0, 0.5, 10, network=planted)
+    with pytest.raises(ValueError, match=r"unexpected \['bottom/param/evil'\]"):
+        load_checkpoint(tmp_path, 1, 5, 1.0, part.state_shapes())
+    poisoned = {**part.state(), "bottom/param/0.bias": np.full(4, np.nan, dtype=np.float32)}
+    save_checkpoint(tmp_path, 1, np.zeros(5), 1.0, 0.5, 10, network=poisoned)
+    with pytest.raises(ValueError, match=r"0\.bias is not finite"):
+        load_checkpoint(tmp_path, 1, 5, 1.0, part.state_shapes())
