@@ -363,9 +363,11 @@ def validate(config: RunConfig) -> RunConfig:
     _check_stopping(config)
     _check_label_privacy(config)
     if config.model != "linear":
-        from parties.model_options import check_network_options
+        from parties.model_options import network_refusal
 
-        check_network_options(config)
+        refusal = network_refusal(config)
+        if refusal is not None:
+            raise ConfigError(refusal)
     if config.channel_keys is not None and not config.secure_channels:
         raise ConfigError("--channel-keys needs --secure-channels")
     return config

@@ -61,10 +61,9 @@ def network_step(gamma: float | None) -> float:
     return DEFAULT_STEP if gamma is None else gamma
 
 
-def check_network_options(c) -> None:
-    """Raise :class:`~parties.config.ConfigError` for what ``--model mlp`` cannot run (module doc)."""
-    from parties.config import ConfigError
-
+def network_refusal(c) -> str | None:
+    """Why ``--model mlp`` cannot run with the options ``c`` (module doc), in one line; None if it can.
+    (``parties.config.validate`` raises it as a ``ConfigError``.)"""
     refusals = [
         (c.algorithm != "sgd", f"--model mlp runs --algorithm sgd (each network steps by Adam from every "
                                f"(ϑ, i)); {c.algorithm}'s snapshots or tables are the linear model's"),
@@ -80,12 +79,13 @@ def check_network_options(c) -> None:
     ]
     for refused, why in refusals:
         if refused:
-            raise ConfigError(why)
+            return why
     try:
         k = cut_width(c.bottom, c.parties)
         parse_spec(c.top, first=k, last=1, what="--top")
     except ValueError as err:
-        raise ConfigError(str(err)) from None
+        return str(err)
     if k > MAX_WIDTH or k * c.batch_size > MAX_VALUES:
-        raise ConfigError(f"--bottom's cut layer k = {k} with -B {c.batch_size}: a message would hold "
-                          f"{k * c.batch_size:,} values (at most k = {MAX_WIDTH} and B·k = {MAX_VALUES:,})")
+        return (f"--bottom's cut layer k = {k} with -B {c.batch_size}: a message would hold "
+                f"{k * c.batch_size:,} values (at most k = {MAX_WIDTH} and B·k = {MAX_VALUES:,})")
+    return None
