@@ -17,6 +17,10 @@ Threads:
   segment, ``parties/dominated.py``): sample rows, obtain ŵ·x by Algorithm 1 rooted here, compute ϑ,
   broadcast (ϑ, i), update its own block.
 
+On the inline path (:func:`inline_path`: linear block, async, small B; docs/runtime.md, "The B = 1 hot
+path") the communication thread runs the dominator's steps and applies the (ϑ, i) it receives itself:
+no result or broadcast crosses to another thread.
+
 What a party computes (its contribution to rows, its step from ϑ) is its *part*
 (``parties/party_model.py``): the linear block with its lock-free kernels, or a network of
 ``vertical/nn`` (k values a row, one lock); the wire carries B·k values where the linear block has k = 1.
