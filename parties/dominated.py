@@ -51,16 +51,21 @@ class DominatedLoop:
 
     def aggregate(self, rows: np.ndarray) -> np.ndarray:
         """ŵ·x_i for ``rows`` by Algorithm 1 rooted at this party (blocks only on this result)."""
-        return self.request(rows)[1].get()
+        return self.request(rows).get()
 
-    def request(self, rows: np.ndarray, theta: np.ndarray | None = None,
-                on_result: Callable[[int, np.ndarray], None] | None = None) -> tuple[int, Slot | None]:
-        """Start Algorithm 1 for ``rows`` rooted here: its request id, and the slot its scores arrive
-        in, or None when ``on_result(rid, scores)`` takes them (the communication thread calls it: the
-        inline path).
+    def request(self, rows: np.ndarray, theta: np.ndarray | None = None) -> Slot:
+        """Start Algorithm 1 for ``rows`` rooted here; the scores arrive in the returned slot.
 
         ``theta``, a held (ϑ, i) message (``--piggyback``), rides along with the announcements.
         """
+        slot = self._request(rows, theta)[1]
+        assert slot is not None
+        return slot
+
+    def _request(self, rows: np.ndarray, theta: np.ndarray | None = None,
+                 on_result: Callable[[int, np.ndarray], None] | None = None) -> tuple[int, Slot | None]:
+        """:meth:`request`, returning the request id too; with ``on_result`` no slot (None): the
+        communication thread calls ``on_result(rid, scores)`` instead (the inline path)."""
         slot: Slot | None = None if on_result is not None else queue.SimpleQueue()
         with self.node_lock:
             rid, announcements = self.node.announce(rows)
@@ -123,7 +128,7 @@ class DominatedLoop:
                and self._may_start(seg.issued, seg.deadline)):
             step_rows = seg.rows[seg.issued]
             on_result = functools.partial(self._on_scores, seg) if self.inline else None
-            rid, slot = self.request(step_rows, seg.held, on_result)
+            rid, slot = self._request(step_rows, seg.held, on_result)
             seg.pending.append((step_rows, rid, slot))
             seg.held = None
             seg.issued += 1
