@@ -51,3 +51,15 @@ def test_other_jobs_keep_the_worker_threads(change):
 def test_a_network_or_a_label_plane_keeps_the_worker_threads():
     assert not inline_path(BASE, _Network(), label=None)  # one step per message, under one lock
     assert not inline_path(BASE, _Linear(), label=object())  # --label-privacy he: encrypted batches
+
+
+def test_the_benchmark_table_gives_each_settings_medians_and_their_ratio():
+    from experiments.bench_hot_path import table
+
+    runs = [{"tree": tree, "setting": setting, "ms_per_update": ms, "load_before": 1.0}
+            for setting, base, head in (("alone", [0.9, 1.2, 0.6], [0.3, 0.2, 0.4]), ("beside", [2.0], [1.0]))
+            for tree, values in (("base", base), ("head", head)) for ms in values]
+    text = table({"commits": {"base": "aaaa", "head": "bbbb"}, "cpu": "x", "command": "c"}, runs)
+    assert "| alone | base | `aaaa` | 0.900 (0.600–1.200) |" in text
+    assert "| alone | base / head | | **3.00×** |" in text  # median 0.9 against 0.3
+    assert "| beside | base / head | | **2.00×** |" in text
