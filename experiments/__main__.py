@@ -26,6 +26,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                 "threads per rank: an HFL job over MPI, this host's share per rank vs every core"),
     "piggyback": ("experiments.bench_piggyback",
                   "--piggyback vs plain dispatch: time per dominated update, with a serial run beside"),
+    "hot_path": ("experiments.bench_hot_path",
+                 "the B = 1 hot path vs an earlier commit, alternating: alone and beside a second job"),
     "update_profile": ("experiments.bench_update_profile",
                        "where a B = 1 update's time goes: q ranks on the cores, CPU per thread role"),
     "compression": ("experiments.bench_compression", "compressor round-trip cost and payload sizes"),

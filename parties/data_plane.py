@@ -17,6 +17,10 @@ Threads:
   segment, ``parties/dominated.py``): sample rows, obtain ŵ·x by Algorithm 1 rooted here, compute ϑ,
   broadcast (ϑ, i), update its own block.
 
+On the inline path (:func:`inline_path`: linear block, async, small B; docs/runtime.md, "The B = 1 hot
+path") the communication thread runs the dominator's steps and applies the (ϑ, i) it receives itself:
+no result or broadcast crosses to another thread.
+
 What a party computes (its contribution to rows, its step from ϑ) is its *part*
 (``parties/party_model.py``): the linear block with its lock-free kernels, or a network of
 ``vertical/nn`` (k values a row, one lock); the wire carries B·k values where the linear block has k = 1.
@@ -37,6 +41,7 @@ import functools
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -75,6 +80,23 @@ from protocols.transport import AGGREGATION_TAG, MpiTransport
 #: 256 × 2 partial sums of 8,192 words (32 MiB) per dominator; the rest of its schedule:
 #: ``protocols/schedule.py``.
 MAX_OPEN_REQUESTS = 256
+
+
+#: Largest B the inline path takes: at small B a step costs less than handing it to another thread
+#: (docs/runtime.md, "The B = 1 hot path"); larger batches go to the k workers, whose kernels run in
+#: parallel and leave the communication thread free to answer other dominators.
+INLINE_MAX_BATCH = 8
+
+
+def inline_path(options: RuntimeOptions, part, label) -> bool:
+    """Whether the communication thread runs this party's steps and applies its (ϑ, i) itself: a linear
+    block (lock-free kernels, one call per message), the asynchronous mode (no step waits for
+    acknowledgements), B ≤ :data:`INLINE_MAX_BATCH`, no label plane, and none of the emulations that
+    act between threads (a link delay's delivery thread, a straggler's slowed workers)."""
+    straggler = options.straggler is not None and (options.slowdown or options.apply_delay)
+    return (part.merges_messages and not options.synchronous and label is None
+            and options.batch_size <= INLINE_MAX_BATCH and not straggler
+            and not (options.link_delay or options.link_jitter))
 
 
 class DataPlane(DominatedLoop):
@@ -131,7 +153,14 @@ class DataPlane(DominatedLoop):
                                       channels=self.channels, kinds=MESSAGE_KINDS, liveness=self.liveness,
                                       silent_tags=frozenset({TAG_HEARTBEAT}))
         self._counters()
-        self.results: dict[int, queue.SimpleQueue[np.ndarray]] = {}
+        #: per request of this dominator: who takes its scores (a waiting slot's put, or the inline step)
+        self.results: dict[int, Callable[[np.ndarray], None]] = {}
+        #: the B = 1 hot path (docs/runtime.md): this party's steps and the (ϑ, i) it receives are run
+        #: by the communication thread itself, no hand-off to the main thread or a worker
+        self.inline = inline_path(options, self.part, label)
+        self.inline_lock = threading.RLock()
+        self._writer_of = [self.active_ranks.index(r) % options.threads + 1 if r in self.active_ranks else 0
+                           for r in range(self.q)]
         self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(options.threads)]
         #: per rank: the worker queue of its (ϑ, i) stream (dominator r → worker r mod k)
         self._queue_of = [self.queues[self.active_ranks.index(r) % len(self.queues)]
@@ -337,7 +366,11 @@ class DataPlane(DominatedLoop):
         """A dominator's (ϑ, i) broadcast: validated (protocols/dispatch.py), then to its worker."""
         rows, thetas = self.inbox.unpack(source, message, self.party.block.n_rows)
         self._scheduled(source, int(message[0]), rows, "(ϑ, i) message")
-        self._queue_of[source].put((source, rows, thetas))
+        if self.inline:  # its worker's writer slot; no worker runs meanwhile
+            self.part.step(rows, thetas, self._writer_of[source])
+            self._applied([source])
+        else:
+            self._queue_of[source].put((source, rows, thetas))
 
     def _scheduled(self, source: int, seq: int, rows: np.ndarray, what: str) -> None:
         """A broadcast is for the request of the same number, aggregated here, and for its rows."""
@@ -403,11 +436,11 @@ class DataPlane(DominatedLoop):
             self._send_all(step.outgoing)
             event = step.event
         if isinstance(event, Completed):
-            slot = self.results.pop(event.rid, None)
-            if slot is None:
+            deliver = self.results.pop(event.rid, None)
+            if deliver is None:
                 raise ProtocolViolation(source, "tree sum", f"it completed request {event.rid}, which "
                                         f"party {self.rank} never made")
-            slot.put(event.result())
+            deliver(event.result())  # to the waiting dominator, or (inline) its next step, here
 
     def _worker_loop(self, inbox: queue.SimpleQueue, writer: int) -> None:
         """Apply (ϑ, i) messages as they come; whatever has queued up meanwhile is applied in one

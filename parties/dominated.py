@@ -9,8 +9,11 @@ block (``w·x``, k = 1) or a network (k values a row), so the same loop drives b
 from __future__ import annotations
 
 import collections
+import functools
 import queue
+import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -24,6 +27,26 @@ from protocols.dispatch import pack, piggyback
 #: Longest a thread waiting on a peer sleeps before it looks at its deadline again (seconds).
 TICK = 0.05
 
+#: where a waiting dominator's scores arrive
+Slot = queue.SimpleQueue
+
+
+class _Segment:
+    """One :meth:`DominatedLoop.dominate` call: its rows, the requests out (oldest first), the step it
+    is at, and (``--piggyback``) the last step's held (ϑ, i) message."""
+
+    __slots__ = ("deadline", "done", "finished", "held", "issued", "n_steps", "others", "pending", "rows",
+                 "scores")
+
+    def __init__(self, rows: np.ndarray, n_steps: int, deadline: float | None, others: list[int]) -> None:
+        self.rows, self.n_steps, self.deadline, self.others = rows, n_steps, deadline, others
+        #: (rows, rid, slot) of each request out, in request order; slot is None on the inline path
+        self.pending: collections.deque[tuple[np.ndarray, int, Slot | None]] = collections.deque()
+        self.scores: dict[int, np.ndarray] = {}  # inline: results that came before an older one's
+        self.issued = self.done = 0
+        self.held: np.ndarray | None = None
+        self.finished = threading.Event()
+
 
 class DominatedLoop:
     """The active party's side of a segment; mixed into :class:`~parties.data_plane.DataPlane`."""
@@ -32,15 +55,23 @@ class DominatedLoop:
         """ŵ·x_i for ``rows`` by Algorithm 1 rooted at this party (blocks only on this result)."""
         return self.request(rows).get()
 
-    def request(self, rows: np.ndarray, theta: np.ndarray | None = None) -> queue.SimpleQueue[np.ndarray]:
+    def request(self, rows: np.ndarray, theta: np.ndarray | None = None) -> Slot:
         """Start Algorithm 1 for ``rows`` rooted here; the scores arrive in the returned slot.
 
         ``theta``, a held (ϑ, i) message (``--piggyback``), rides along with the announcements.
         """
-        slot: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        slot = self._request(rows, theta)[1]
+        assert slot is not None
+        return slot
+
+    def _request(self, rows: np.ndarray, theta: np.ndarray | None = None,
+                 on_result: Callable[[int, np.ndarray], None] | None = None) -> tuple[int, Slot | None]:
+        """:meth:`request`, returning the request id too; with ``on_result`` no slot (None): the
+        communication thread calls ``on_result(rid, scores)`` instead (the inline path)."""
+        slot: Slot | None = None if on_result is not None else queue.SimpleQueue()
         with self.node_lock:
             rid, announcements = self.node.announce(rows)
-            self.results[rid] = slot
+            self.results[rid] = slot.put if slot is not None else functools.partial(on_result, rid)
         if theta is None:
             self._send_all(announcements)
         else:
@@ -56,8 +87,8 @@ class DominatedLoop:
         self._straggle(started)
         self._send_all(step.outgoing)
         if isinstance(step.event, Completed):  # q = 1 never happens; kept exact for a leaf-less tree
-            self.results.pop(rid).put(step.event.result())
-        return slot
+            self.results.pop(rid)(step.event.result())
+        return rid, slot
 
     def dominate(self, n_steps: int, deadline: float | None = None) -> int:
         """Run ``n_steps`` dominated updates (Alg. 2/4/6) of ``batch_size`` rows each; returns how many
@@ -71,46 +102,77 @@ class DominatedLoop:
         and wait for every collaborator's acknowledgement; ``sync-global`` also makes all dominators
         take each step together. With ``piggyback`` each step's (ϑ, i) waits for the next request and
         rides inside it (docs/runtime.md); when no request follows it goes alone at once.
+
+        On the inline path (:attr:`inline`, docs/runtime.md "The B = 1 hot path") this thread only
+        starts the segment: the communication thread takes each result as it arrives and runs the next
+        step itself, so no result crosses between threads.
         """
         party = self.party
         assert party.active, "only a label holder dominates"
         rows = (self.sampler.integers(0, party.block.n_rows, size=(n_steps, self.batch_size))
                 if self._batches is None else self._batches.take(n_steps))
-        others = [r for r in range(self.q) if r != self.rank]
-        pending: collections.deque[tuple[np.ndarray, queue.SimpleQueue[np.ndarray]]] = collections.deque()
-        issued = done = 0
-        held: np.ndarray | None = None  # --piggyback: the last step's (ϑ, i), waiting for a request
-        while done < n_steps:
-            while issued < n_steps and len(pending) < self.inflight and self._may_start(issued, deadline):
-                pending.append((rows[issued], self.request(rows[issued], held)))
-                held = None
-                issued += 1
-            if held is not None:  # no request to ride on: it goes alone, now
-                self._broadcast_theta(held, others)
-                held = None
-            if not pending:
-                break
-            step_rows, slot = pending.popleft()
-            try:
-                thetas = self.part.theta(slot.get(), step_rows)  # B·k values, each row's k together
-            except Diverged as err:
-                stop_job(self.data, self.rank, "diverged", str(err))
-                raise
-            if self._noise_std:  # --epsilon: ϑ̃, for every party (label_plane.LabelPlane.setup_noise)
-                thetas = self.label.perturb(thetas)
-            if self.dispatch:
-                if self.synchronous and others:
-                    self.max_unacked = max(self.max_unacked, self.sent - int(self.acked[others].min()))
-                held = self._dispatch(step_rows, thetas, others)
-            started = time.perf_counter()
-            self.part.step(step_rows, thetas, writer=0)
-            self._straggle(started)
-            if self.synchronous and self.dispatch:
-                self._await_acks(others)
-            done += 1
-        if held is not None:
-            self._broadcast_theta(held, others)
-        return done
+        seg = _Segment(rows, n_steps, deadline, [r for r in range(self.q) if r != self.rank])
+        if self.inline:
+            with self.inline_lock:
+                if self._proceed(seg):
+                    seg.finished.set()
+            seg.finished.wait()
+            return seg.done
+        while not self._proceed(seg):
+            step_rows, _, slot = seg.pending.popleft()
+            self._step(seg, step_rows, slot.get())
+        return seg.done
+
+    def _proceed(self, seg: _Segment) -> bool:
+        """Start what the segment may start now (a held ϑ rides on the first request, or goes alone if
+        none can start); whether the segment is over (nothing out, nothing more to start)."""
+        while (seg.issued < seg.n_steps and len(seg.pending) < self.inflight
+               and self._may_start(seg.issued, seg.deadline)):
+            step_rows = seg.rows[seg.issued]
+            on_result = functools.partial(self._on_scores, seg) if self.inline else None
+            rid, slot = self._request(step_rows, seg.held, on_result)
+            seg.pending.append((step_rows, rid, slot))
+            seg.held = None
+            seg.issued += 1
+        if seg.held is not None:  # no request to ride on: it goes alone, now
+            self._broadcast_theta(seg.held, seg.others)
+            seg.held = None
+        return not seg.pending
+
+    def _on_scores(self, seg: _Segment, rid: int, scores: np.ndarray) -> None:
+        """Inline path, in the communication thread: request ``rid``'s scores; every step whose
+        scores are in, in request order, then the next requests; the end of the segment wakes
+        :meth:`dominate`."""
+        with self.inline_lock:
+            seg.scores[rid] = scores
+            while seg.pending and seg.pending[0][1] in seg.scores:
+                step_rows, done_rid, _ = seg.pending.popleft()
+                self._step(seg, step_rows, seg.scores.pop(done_rid))
+                if self._proceed(seg):
+                    seg.finished.set()
+                    return
+
+    def _step(self, seg: _Segment, step_rows: np.ndarray, scores: np.ndarray) -> None:
+        """One dominated update from its scores: ϑ, its dispatch (or held for the next request), this
+        party's own step; in the synchronous modes, every acknowledgement."""
+        others = seg.others
+        try:
+            thetas = self.part.theta(scores, step_rows)  # B·k values, each row's k together
+        except Diverged as err:
+            stop_job(self.data, self.rank, "diverged", str(err))
+            raise
+        if self._noise_std:  # --epsilon: ϑ̃, for every party (label_plane.LabelPlane.setup_noise)
+            thetas = self.label.perturb(thetas)
+        if self.dispatch:
+            if self.synchronous and others:
+                self.max_unacked = max(self.max_unacked, self.sent - int(self.acked[others].min()))
+            seg.held = self._dispatch(step_rows, thetas, others)
+        started = time.perf_counter()
+        self.part.step(step_rows, thetas, writer=0)
+        self._straggle(started)
+        if self.synchronous and self.dispatch:
+            self._await_acks(others)
+        seg.done += 1
 
     def _await_acks(self, others: list[int]) -> None:
         """Sync modes: every other party has acknowledged every (ϑ, i) sent so far. A party's worker may

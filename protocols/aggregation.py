@@ -104,6 +104,7 @@ class Kind(IntEnum):
 
 
 _KINDS = {int(kind): kind for kind in Kind}
+_NAMES = {int(kind): kind.name for kind in Kind}  # an enum's .name is a descriptor call: not per message
 _REQUEST, _MASKED, _MASKS = int(Kind.REQUEST), int(Kind.MASKED), int(Kind.MASKS)
 
 
@@ -354,7 +355,7 @@ class AggregationNode:
         if code not in _KINDS:
             raise ProtocolViolation(source, "aggregation message", f"unknown message kind {code} in header "
                                     f"{buffer[:HEADER_WORDS]}")
-        what = _KINDS[code].name
+        what = _NAMES[code]
         if root not in self.roots:
             why = (f"is not a party of 0..{self.size - 1}" if root >= self.size else "is not a dominator: "
                    f"only {', '.join(map(str, sorted(self.roots)))} may root an aggregation")
