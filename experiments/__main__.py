@@ -47,7 +47,7 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "hfl_isca": ("experiments.hfl_isca",
                  "ISCA paper Figs 1-6 on Fashion-MNIST: ISCA/ISCAM vs SCALLION/FedCOMGATE, IID vs non-IID"),
     "vnn_runtime": ("experiments.vnn_runtime",
-                    "vfl train --model mlp: async vs lock-step with a straggler, and against the centralised net"),
+                    "vfl train --model mlp: async vs lock-step with a straggler; vs the centralised net"),
     "vfb2_runtime": ("experiments.vfb2_runtime",
                      "VFB² runtime benchmarks: async vs sync, cost of federation, k threads (issue 4)"),
     "vfb2_batches": ("experiments.vfb2_batches",
