@@ -12,6 +12,7 @@ full pass go over the control plane (``parties/control_plane.py``).
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -21,6 +22,7 @@ import numpy as np
 
 from parties.audit import AuditLog
 from parties.control_plane import ControlPlane
+from parties.lifecycle import guarded
 from parties.messages import (
     AUDIT_HE_FULL_GRADIENT,
     AUDIT_HE_GRADIENT,
@@ -94,6 +96,10 @@ class LabelPlane:
         #: a passive party's decrypted answers, per dominator (put there by the communication thread)
         self.replies: dict[int, queue.SimpleQueue[np.ndarray]] = {r: queue.SimpleQueue()
                                                                   for r in active_ranks}
+        #: a passive party's masking threads' inboxes and their results (masks and bounds), per dominator
+        self._maskers: dict[int, queue.SimpleQueue] = {}
+        self._pending: dict[int, queue.SimpleQueue[tuple[int, label_he.Pending]]] = {
+            r: queue.SimpleQueue() for r in active_ranks}
         self._answered = np.zeros(self.q, dtype=np.int64)  # per passive party: replies decrypted
         self._answered_cond = threading.Condition()
         for root in active_ranks:
@@ -170,19 +176,49 @@ class LabelPlane:
                 liveness.check(late, since, f"its masked gradient of batch #{upto - 1}", level=1)
                 self._answered_cond.wait(REPLY_TICK)
 
+    def arrived(self, source: int, seq: int, rows: np.ndarray, payload: bytes, transport) -> None:
+        """Passive party (the communication thread, for each validated encrypted batch, in order): the
+        batch goes to ``source``'s masking thread, which sends its masked encrypted block gradient at
+        once. The gradient depends on ϑ and this party's features only, not on its model, so it need not
+        wait until the worker has applied the batches before (:meth:`passive_gradient`): the masking of
+        batch t + 1 overlaps the dominator's decryption of batch t, and the steps stay exactly the same."""
+        if source not in self._maskers:
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
+            self._maskers[source] = inbox
+            guard = functools.partial(guarded, self.control.comm, self.rank)
+            threading.Thread(target=guard(self._mask_loop), args=(source, inbox, transport),
+                             name=f"mask-{source}", daemon=True).start()
+        self._maskers[source].put((seq, rows, payload))
+
+    def _mask_loop(self, source: int, inbox: queue.SimpleQueue, transport) -> None:
+        """``source``'s batches in order: the masked gradient to the dominator, the masks and bounds kept
+        for the worker; while no batch waits, the next batch's masks are encrypted ahead."""
+        gradients = self.gradients[source]
+        mask = (gradients.masked_packed_batch if isinstance(gradients, label_he_pack.PackedBlockGradient)
+                else gradients.masked_batch)
+        while True:
+            seq, rows, payload = inbox.get()
+            masked, pending = mask(payload, rows)
+            transport.send(source, label_he.pack_bytes(seq, masked), TAG_HE_MASKED)
+            self._pending[source].put((seq, pending))
+            if inbox.empty():
+                gradients.prepare_masks()  # the next batch's, while the dominator decrypts this one
+
     def passive_gradient(self, source: int, rows: np.ndarray, payload: bytes, seq: int, transport
                          ) -> np.ndarray:
-        """Passive party: for dominator ``source``'s encrypted batch ``seq``, its masked encrypted block
-        gradient to the dominator, the decryption back, the mask off (a worker thread)."""
+        """Passive party: for dominator ``source``'s encrypted batch ``seq`` (masked and sent by the
+        masking thread when it arrived, :meth:`arrived`), the decryption back, the mask off (a worker
+        thread, the batches in order)."""
         gradients = self.gradients[source]
-        packed = isinstance(gradients, label_he_pack.PackedBlockGradient)
-        masked = gradients.masked_packed(payload, rows) if packed else gradients.masked(payload, rows)
-        transport.send(source, label_he.pack_bytes(seq, masked), TAG_HE_MASKED)
-        gradients.prepare_masks()  # the next batch's, while the dominator decrypts this one
+        masked_seq, pending = self._pending[source].get()
+        assert masked_seq == seq, f"batch #{seq} applied while #{masked_seq} was masked"
         reply = self._reply(source, seq)
         if reply.size < 1 or int(reply[0]) != seq:
             raise ProtocolViolation(source, "decrypted gradient", f"is not the answer for batch #{seq}")
-        gradient = gradients.unmask_packed(reply[1:]) if packed else gradients.unmask(reply[1:])
+        if isinstance(gradients, label_he_pack.PackedBlockGradient):
+            gradient = gradients.unmask_packed_batch(reply[1:], pending)
+        else:
+            gradient = gradients.unmask_batch(reply[1:], pending)
         self.audit.record(source, AUDIT_HE_GRADIENT, gradient)
         return gradient
 

@@ -133,12 +133,14 @@ def _passive_attack(runtime: PartyRuntime) -> dict[str, list]:
     kit, ev = gradients._kit, gradients._evaluator
     big = phe.BigintEncoder(phe.SchemaType.OU)
     read: dict[str, list] = {"rows": [], "values": []}
-    pending: list = []
+    pending: list = []  # per batch masked and not yet unmasked, oldest first (the label plane masks ahead)
+    count = [0]
 
     def masked(payload: bytes, rows: np.ndarray) -> bytes:
         cts = hnp.CiphertextArray.load_from(payload)
         b = rows.size
-        if len(pending) % 2 == 0:  # alternate: re-randomise, then pack
+        count[0] += 1
+        if count[0] % 2 == 1:  # alternate: re-randomise, then pack
             pick = list(range(b - 1))
             zeros = gradients._encryptor.encrypt(kit.array(np.zeros(b - 1, dtype=np.int64),
                                                            phe.IntegerEncoder(phe.SchemaType.OU, 1)))
@@ -149,7 +151,7 @@ def _passive_attack(runtime: PartyRuntime) -> dict[str, list]:
         return ev.add(cts[list(range(0, b, 2))], ev.mul(cts[list(range(1, b, 2))], shift)).serialize()
 
     def unmask(words: np.ndarray) -> np.ndarray:
-        kind, rows = pending[-1]
+        kind, rows = pending.pop(0)
         values = label_he._from_words(0, words, words.size // 2)
         scale = 2.0**label_he.THETA_BITS
         for k, v in enumerate(values):
@@ -166,6 +168,8 @@ def _passive_attack(runtime: PartyRuntime) -> dict[str, list]:
         return np.zeros(WIDTH)  # its own block takes no step: nothing to learn from there
 
     gradients.masked, gradients.unmask = masked, unmask
+    gradients.masked_batch = lambda payload, rows, progress=None: (masked(payload, rows), None)
+    gradients.unmask_batch = lambda words, _pending: unmask(words)
     return read
 
 
