@@ -63,10 +63,13 @@ def _dump(force: bool = False) -> None:
     record = {"rank": int(rank), "threads_cpu_s": _threads_cpu(), "process_cpu_s": time.process_time(),
               "cpu_before_first_stage_s": _FIRST[0] if _FIRST else None,
               "threads_cpu_before_first_stage_s": _FIRST[1] if _FIRST else {}, "stages": stages}
-    tmp = os.path.join(out, f".{rank}.json")
-    with open(tmp, "w") as fh:
-        json.dump(record, fh)
-    os.replace(tmp, os.path.join(out, f"{rank}.json"))
+    tmp = os.path.join(out, f".{rank}.{threading.get_ident()}.json")  # threads dump on their own
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(record, fh)
+        os.replace(tmp, os.path.join(out, f"{rank}.json"))
+    except OSError:  # a measurement must never fail the job it measures
+        pass
 
 
 def _threads_cpu() -> dict[str, float]:
