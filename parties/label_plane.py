@@ -33,6 +33,7 @@ from parties.messages import (
 )
 from protocols import label_he, label_he_pack
 from protocols.errors import ProtocolViolation
+from protocols.label_he_key_process import KeyProcess
 
 #: Longest a worker waiting for a decryption sleeps before it looks at its deadline again (seconds).
 REPLY_TICK = 0.05
@@ -89,7 +90,8 @@ class LabelPlane:
         #: --epsilon: σ, the noise on every ϑ (0: none); the dominators' batches of a pass
         self.noise_std = 0.0
         self.batches: PassBatches | None = None
-        self.key = label_he.LabelKey(scheme, key_bits) if party.active else None
+        #: a dominator's key: its secret half in a process of its own (label_he_key_process.py)
+        self.key = KeyProcess(scheme, key_bits) if party.active else None
         #: --he-pack: the batches' gradients go k values a decryption (the snapshot's full pass does not)
         self.layout = label_he_pack.layout(batch_size, key_bits) if pack else None
         self.gradients: dict[int, label_he.BlockGradient] = {}
