@@ -53,6 +53,16 @@ def _value_bytes(key_bits: int) -> int:
     return key_bits // 8 + 1
 
 
+def _child_environment(root: str) -> dict[str, str]:
+    """The rank's environment without what would make the child an MPI process: the ``protocols``
+    package imports mpi4py, which would initialise MPI from the launcher's PMI variables and fail (or
+    join the job); the child neither initialises MPI nor sees those variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_"))}
+    env["MPI4PY_RC_INITIALIZE"] = "false"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
 class KeyProcess(label_he.LabelKey):
     """A dominator's key whose secret half lives in a child process (module doc); encrypts here."""
 
@@ -63,8 +73,7 @@ class KeyProcess(label_he.LabelKey):
         to_child, self._to_child = os.pipe()
         self._from_child, from_child = os.pipe()
         root = str(Path(__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH"))
-                                                           if p)}
+        env = _child_environment(root)
         self._child = subprocess.Popen(
             [sys.executable, "-m", "protocols.label_he_key_process", str(to_child), str(from_child), scheme,
              str(key_bits)], pass_fds=(to_child, from_child), env=env, cwd=root, stdin=subprocess.DEVNULL)
