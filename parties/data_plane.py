@@ -280,7 +280,7 @@ class DataPlane:
             self.label.arrived(source, seq, rows, payload, self.transport)  # masked at once, label_plane.py
             self._queue_of[source].put((source, rows, payload, seq))
         elif tag == TAG_HE_MASKED:
-            self.transport.send(source, self.label.decrypt_for(source, msg, self.sent), TAG_HE_DECRYPTED)
+            self.label.decrypt_later(source, msg, self.sent, self.transport)  # answered by the label plane
         elif tag == TAG_HE_DECRYPTED:
             self.label.replies[source].put(msg)
         # TAG_HEARTBEAT: being heard from is all it says

@@ -5,7 +5,7 @@ answers with its masked encrypted block gradient, and the dominator returns the 
 masked (protocols/label_he.py); under ``--epsilon`` what it encrypts, and what every party steps
 with, is ϑ̃ = ϑ + N(0, σ²) (:meth:`LabelPlane.perturb`). The data plane carries the batches
 (``parties/data_plane.py`` calls
-:meth:`LabelPlane.encrypt_batch`, :meth:`LabelPlane.decrypt_for` and
+:meth:`LabelPlane.encrypt_batch`, :meth:`LabelPlane.decrypt_later` and
 :meth:`LabelPlane.passive_gradient`); the keys and the SVRG snapshot's encrypted
 full pass go over the control plane (``parties/control_plane.py``).
 """
@@ -27,6 +27,7 @@ from parties.messages import (
     AUDIT_HE_FULL_GRADIENT,
     AUDIT_HE_GRADIENT,
     MAX_MESSAGE_WORDS,
+    TAG_HE_DECRYPTED,
     TAG_HE_FULL,
     TAG_HE_FULL_MASKED,
     TAG_HE_MASKED,
@@ -98,6 +99,8 @@ class LabelPlane:
         #: a passive party's decrypted answers, per dominator (put there by the communication thread)
         self.replies: dict[int, queue.SimpleQueue[np.ndarray]] = {r: queue.SimpleQueue()
                                                                   for r in active_ranks}
+        #: a dominator's decryption threads' inboxes, per passive party (:meth:`decrypt_later`)
+        self._decrypters: dict[int, queue.SimpleQueue] = {}
         #: a passive party's masking threads' inboxes and their results (masks and bounds), per dominator
         self._maskers: dict[int, queue.SimpleQueue] = {}
         self._pending: dict[int, queue.SimpleQueue[tuple[int, label_he.Pending]]] = {
@@ -148,6 +151,25 @@ class LabelPlane:
         except OverflowError as err:
             self.stop("diverged", str(err))
         return label_he.pack_batch(seq, rows, payload)
+
+    def decrypt_later(self, source: int, msg: np.ndarray, sent: int, transport) -> None:
+        """Dominator (the communication thread): ``source``'s masked gradient goes to its decryption
+        thread, which answers it (:meth:`decrypt_for`) and sends the reply. The communication thread
+        goes back to its other messages (the dominated loop's own aggregation replies among them) instead
+        of waiting for the key process's answer, which on a loaded machine waits for a core."""
+        if source not in self._decrypters:
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
+            self._decrypters[source] = inbox
+            guard = functools.partial(guarded, self.control.comm, self.rank)
+            threading.Thread(target=guard(self._decrypt_loop), args=(source, inbox, transport),
+                             name=f"decrypt-{source}", daemon=True).start()
+        self._decrypters[source].put((msg, sent))
+
+    def _decrypt_loop(self, source: int, inbox: queue.SimpleQueue, transport) -> None:
+        """``source``'s masked gradients in order: each checked, decrypted and answered."""
+        while True:
+            msg, sent = inbox.get()
+            transport.send(source, self.decrypt_for(source, msg, sent), TAG_HE_DECRYPTED)
 
     def decrypt_for(self, source: int, msg: np.ndarray, sent: int) -> np.ndarray:
         """Dominator: the reply to a passive party's masked batch gradient (its batches in order, each
