@@ -41,10 +41,12 @@ REPLY_TICK = 0.05
 #: ``--mode async``: encrypted batches a dominator may send beyond a passive party's answers. A passive
 #: party steps one batch per round trip, so without a bound its backlog (and its staleness) grows with
 #: the segment, and at the segment's barrier it would work through it sending nothing to the parties
-#: that wait for it there (a deadline on silence would name it, docs/runtime.md "Liveness"). 16 batches
-#: are about 2 s of round trips (docs/label-privacy.md); the segment takes as long as before, as a
-#: dominator waited for that backlog in its drain anyway.
-HE_AHEAD = 16
+#: that wait for it there (a deadline on silence would name it, docs/runtime.md "Liveness"). The bound is
+#: also the staleness of the passive blocks in the dominator's ϑ's: at 16, once the dominator's
+#: decryptions left its GIL (label_he_key_process.py) and it no longer slowed to its passive parties'
+#: pace, a9a lost up to 40 points of accuracy on a loaded machine (docs/label-privacy.md); 4 keeps the
+#: pipeline full and the accuracy of the throttled runs.
+HE_AHEAD = 4
 
 
 class PassBatches:

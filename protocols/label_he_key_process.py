@@ -21,6 +21,7 @@ i.e. when the rank ends however it ends.
 
 from __future__ import annotations
 
+import collections
 import os
 import struct
 import subprocess
@@ -63,6 +64,11 @@ def _child_environment(root: str) -> dict[str, str]:
     return env
 
 
+class _Slot:
+    """One request's place in line for its answer."""
+    answer: tuple[int, bytes] | None = None
+
+
 class KeyProcess(label_he.LabelKey):
     """A dominator's key whose secret half lives in a child process (module doc); encrypts here."""
 
@@ -79,7 +85,10 @@ class KeyProcess(label_he.LabelKey):
              str(key_bits)], pass_fds=(to_child, from_child), env=env, cwd=root, stdin=subprocess.DEVNULL)
         os.close(to_child)
         os.close(from_child)
-        self._lock = threading.Lock()  # one request at a time: the communication thread, the full pass
+        #: requests go out under one lock, answers come back in the same order under another: several
+        #: may be in flight (one per decryption thread), so the child always has the next one queued
+        self._write_lock, self._read_lock = threading.Lock(), threading.Lock()
+        self._waiting: collections.deque[_Slot] = collections.deque()
         status, public = self._answer()
         if status != _OK:
             raise RuntimeError(f"the HE key process did not start: {public.decode(errors='replace')}")
@@ -102,12 +111,16 @@ class KeyProcess(label_he.LabelKey):
 
     def decrypt(self, source: int, payload: bytes, most: int, what: str, why: str) -> list:
         """:meth:`LabelKey.decrypt`, done by the child: the same checks, the same refusals."""
-        text = f"{what}\n{why}".encode()
-        with self._lock:
+        text, slot = f"{what}\n{why}".encode(), _Slot()
+        with self._write_lock:
+            self._waiting.append(slot)
             view = memoryview(_REQUEST.pack(most, len(text), len(payload)) + text + payload)
             while view:
                 view = view[os.write(self._to_child, view):]
-            status, body = self._answer()
+        with self._read_lock:  # whoever reads hands each answer to the oldest request
+            while slot.answer is None:
+                self._waiting.popleft().answer = self._answer()
+        status, body = slot.answer
         if status != _OK:
             raise ProtocolViolation(source, "masked gradient", body.decode(errors="replace"))
         width = _value_bytes(self.key_bits)

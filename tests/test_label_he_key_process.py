@@ -5,6 +5,7 @@ its parent's pipe."""
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -56,6 +57,21 @@ def test_the_key_process_refuses_what_the_in_process_key_refuses_naming_the_send
     block = _block(np.random.default_rng(1))  # still answers honest replies afterwards
     party = label_he.BlockGradient(0, key.public_bytes(), block=block)
     assert party.unmask(key.decrypt_masked(1, party.masked(key.encrypt(thetas), np.arange(20)), 20)).size == 6
+
+
+def test_requests_from_several_threads_at_once_each_get_their_own_answer(key):
+    """The dominator's decryption threads share the child, several requests in flight."""
+    rng = np.random.default_rng(3)
+    blocks = [_block(rng) for _ in range(4)]
+    parties = [label_he.BlockGradient(0, key.public_bytes(), block=b) for b in blocks]
+    thetas = rng.uniform(-1, 1, 20)
+    payload = key.encrypt(thetas)
+    replies = [p.masked(payload, np.arange(20)) for p in parties]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda r: key.decrypt_masked(1, r, batch=20), replies * 3))
+    for k, (party, block) in enumerate(zip(parties, blocks, strict=True)):
+        assert all(np.array_equal(answers[k], answers[k + 4 * t]) for t in range(3))
+        np.testing.assert_allclose(party.unmask(answers[k]), block.to_csr()[:20].T @ thetas, atol=1e-6)
 
 
 def test_the_parent_holds_no_secret_key_and_the_child_ends_with_its_pipe():
