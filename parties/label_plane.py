@@ -249,8 +249,9 @@ class LabelPlane:
         return gradient
 
     def _reply(self, source: int, seq: int) -> np.ndarray:
-        """Dominator ``source``'s decryption for batch ``seq`` (its communication thread answers at
-        once: level 0 of the deadlines, protocols/liveness.py)."""
+        """Dominator ``source``'s decryption for batch ``seq`` (its decryption thread for this party
+        answers at once, this party's earlier batches first: level 0 of the deadlines,
+        protocols/liveness.py)."""
         liveness, since = self.control.liveness, self.control.liveness.clock()
         while True:
             try:
