@@ -151,7 +151,7 @@ def test_noisy_he_refuses_what_the_accounting_does_not_cover():
                          (dict(batch_size=256, active=2, parties=4), "a batch per dominator")):
         with pytest.raises(ConfigError, match=message):
             resolve(RunConfig(**{**base, **bad}))
-    with pytest.raises(ConfigError, match="--epsilon needs --label-privacy dp or he"):
+    with pytest.raises(ConfigError, match="--epsilon needs --label-privacy dp, he or dp-theta"):
         validate(RunConfig(dataset="breast-cancer", parties=3, epsilon=1.0))
     with pytest.raises(TypeError):  # σ is derived in the plan: no option can set it, not even a stale one
         RunConfig(**{**base, "noise_multiplier": 0.5})
