@@ -22,6 +22,7 @@ after each, CPU model), ``table.md`` and ``against_commit.png``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from experiments._machine import cpu_model
@@ -84,6 +86,28 @@ def checkout(rev: str, into: Path) -> Path:
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(into), rev],
                    check=True, capture_output=True)
     return into
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+@contextlib.contextmanager
+def base_and_head(base: str, prefix: str) -> Iterator[tuple[dict[str, Path], dict[str, str]]]:
+    """The trees to compare, ``{"base": a temporary worktree at base, "head": this tree}``, and their
+    commits (``+`` after the head's when it has uncommitted changes); the worktree goes on exit."""
+    rev = _git("rev-parse", "--short", base)
+    head = _git("rev-parse", "--short", "HEAD")
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    temp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield ({"base": checkout(rev, temp / "tree"), "head": ROOT},
+               {"base": rev, "head": head + ("+" if dirty else "")})
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(temp / "tree")],
+                       check=False, capture_output=True)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def measure(trees: dict[str, Path], repeats: int, epochs: float, timing_rounds: int) -> list[dict]:
@@ -151,23 +175,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--timing-rounds", type=int, default=5, help="HFL rounds timed per run")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
-    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.base], check=True,
-                         capture_output=True, text=True).stdout.strip()
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], check=True,
-                          capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                                check=True, capture_output=True, text=True).stdout.strip())
-    temp = Path(tempfile.mkdtemp(prefix="against-commit-base-"))
-    try:
-        trees = {"base": checkout(rev, temp / "tree"), "head": ROOT}
+    with base_and_head(args.base, "against-commit-base-") as (trees, commits):
         started = time.time()
         runs = measure(trees, args.repeats, args.epochs, args.timing_rounds)
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(temp / "tree")],
-                       check=False, capture_output=True)
-        shutil.rmtree(temp, ignore_errors=True)
     meta = {"cpu": cpu_model(), "started": started,
-            "commits": {"base": rev, "head": head + ("+" if dirty else "")},
+            "commits": commits,
             "command": "python -m experiments against_commit " + " ".join(argv or sys.argv[1:])}
     write_outputs(args.out, meta, runs)
     print((args.out / "table.md").read_text())

@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -34,7 +33,7 @@ import time
 from pathlib import Path
 
 from experiments._machine import cpu_model
-from experiments.bench_against_commit import ROOT, TRAIN, _env, checkout, ms_per_update
+from experiments.bench_against_commit import ROOT, TRAIN, _env, base_and_head, ms_per_update
 
 OUT = ROOT / "experiments" / "results" / "hot_path"
 #: seconds the neighbour gets to start training before the measured job starts
@@ -113,23 +112,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--settings", nargs="+", choices=["alone", "beside"], default=["alone", "beside"])
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
-    git = ["git", "-C", str(ROOT)]
-    rev = subprocess.run([*git, "rev-parse", "--short", args.base], check=True, capture_output=True,
-                         text=True).stdout.strip()
-    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], check=True, capture_output=True,
-                          text=True).stdout.strip()
-    dirty = bool(subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], check=True,
-                                capture_output=True, text=True).stdout.strip())
-    temp = Path(tempfile.mkdtemp(prefix="hot-path-base-"))
-    try:
-        trees = {"base": checkout(rev, temp / "tree"), "head": ROOT}
+    with base_and_head(args.base, "hot-path-base-") as (trees, commits):
         started = time.time()
         runs = measure(trees, args.settings, args.repeats, args.epochs)
-    finally:
-        subprocess.run([*git, "worktree", "remove", "--force", str(temp / "tree")], check=False,
-                       capture_output=True)
-        shutil.rmtree(temp, ignore_errors=True)
-    commits = {"base": rev, "head": head + ("+" if dirty else "")}
     meta = {"cpu": cpu_model(), "started": started, "commits": commits,
             "command": "python -m experiments hot_path " + " ".join(argv or sys.argv[1:])}
     args.out.mkdir(parents=True, exist_ok=True)
