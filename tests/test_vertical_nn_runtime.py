@@ -314,3 +314,14 @@ def test_a_checkpoint_of_another_network_or_planted_arrays_is_refused_before_it_
     save_checkpoint(tmp_path, 1, np.zeros(5), 1.0, 0.5, 10, network=poisoned)
     with pytest.raises(ValueError, match=r"0\.bias is not finite"):
         load_checkpoint(tmp_path, 1, 5, 1.0, part.state_shapes())
+
+
+def test_split_strips_refuses_what_is_not_a_square_image_dataset_in_one_line(tmp_path):
+    """``vfl split --strips`` cuts square images only, and not with ``--contiguous`` or a file."""
+    from vfl.cli import _image_strips, main
+
+    assert [len(c) for c in _image_strips(64, 4)] == [16] * 4  # 8 × 8: 2 pixel columns × 8 rows each
+    with pytest.raises(ValueError, match="not 4 strips of a square image"):
+        _image_strips(30, 4)
+    assert main(["split", "breast-cancer", "-n", "4", "--strips", "--out", str(tmp_path / "a")]) == 2
+    assert main(["split", "digits", "-n", "4", "--strips", "--contiguous", "--out", str(tmp_path / "b")]) == 2
