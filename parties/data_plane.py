@@ -461,7 +461,8 @@ class DataPlane(DominatedLoop):
                 started = time.perf_counter()
                 if self.part.merges_messages or not self.synchronous:
                     self.part.step(np.concatenate([rows for _, rows, _ in items]),
-                                   np.concatenate([thetas for _, _, thetas in items]), writer)
+                                   np.concatenate([thetas for _, _, thetas in items]), writer,
+                                   messages=len(items))
                 else:  # a network in lock-step: each message is one step of its own batch
                     for _, rows, thetas in items:
                         self.part.step(rows, thetas, writer)
