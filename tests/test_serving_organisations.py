@@ -125,12 +125,14 @@ def test_organisations_serve_and_a_party_that_returns_is_served_again(organisati
         procs[2] = start(orgs[2])  # it comes back: a new federation, and the same scores
         endpoint.wait_for(200, 30)
         status, body = endpoint.call("/score", {"ids": ids, "output": "score"})
-        assert status == 200 and [r.get("score") for r in body["results"]] == pytest.approx(served[:5] + [None])
+        again = [r.get("score") for r in body["results"]]
+        assert status == 200 and again == pytest.approx([*served[:5], None])
     finally:
         procs[0].send_signal(signal.SIGTERM)
         outputs = [p.communicate(timeout=30)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(outputs)
     assert "the leader stopped the service" in outputs[1]
+    assert "federation attempt 2" in outputs[1]  # bank-b joined again, saying so
 
 
 def serving_args(org, *more: str) -> Namespace:
@@ -154,7 +156,7 @@ def test_a_serving_option_that_does_not_fit_is_refused_in_one_line(organisations
 
     org = organisations[0][rank]
     args = serving_args(org, *more)
-    with pytest.raises(ConfigError, match=".*") as refused:
+    with pytest.raises(ConfigError) as refused:
         checked_serving(args) if args.serve else checked(args)
     assert says in str(refused.value) and "\n" not in str(refused.value)
 
@@ -172,8 +174,67 @@ def test_a_folder_without_a_finished_run_is_refused_in_one_line(organisations, t
     for name in ("party.json", "party-1.ckpt.npz"):
         (bare / name).write_bytes((org.run / name).read_bytes())
     args.folder = str(bare)
-    with pytest.raises(ConfigError, match="no result.json"):
+    with pytest.raises(ConfigError, match=r"no result\.json"):
         checked_serving(args)
+
+
+def test_the_local_link_refuses_a_frame_that_is_not_one():
+    from parties.serving import link
+
+    with pytest.raises(link.LinkError, match="unknown frame kind 9"):
+        link.check_header(link.frame(9)[:8], 64)
+    with pytest.raises(link.LinkError, match="with 72 bytes"):
+        link.check_header(link.frame(link.SCORE, bytes(72))[:8], 64)
+    with pytest.raises(link.LinkError, match="with 8 bytes"):
+        link.check_header(link.frame(link.STOP, bytes(8))[:8], 64)
+    with pytest.raises(link.LinkError, match="3 values answer a request of 2 ids"):
+        link.scores_of(np.zeros(3).tobytes(), 2)
+    with pytest.raises(link.LinkError, match="a request of 0 ids"):
+        link.ids_of(b"", 4)
+    z, held = link.scores_of(link.scores_frame(np.array([1.5, 7.0]), np.array([True, False]))[8:], 2)
+    assert z[0] == 1.5 and np.isnan(z[1]) and held.tolist() == [True, False]
+
+
+def supervisor_after(*frames: bytes):
+    """A front's :class:`Supervisor` after reading ``frames`` from a federation's process that then
+    ended; returns it and whether that federation served."""
+    import asyncio
+
+    from parties.serving.supervisor import Supervisor
+
+    serving = Namespace(job=Namespace(parties=[Namespace(name=n) for n in ("bank-a", "bank-b", "clinic-c")]),
+                        max_batch=4, peer_timeout=1.0)
+
+    async def read():
+        front = Supervisor(Namespace(name="bank-a"), serving, "unused")
+        reader = asyncio.StreamReader()
+        for data in frames:
+            reader.feed_data(data)
+        reader.feed_eof()
+        served = await front._read_link(reader)
+        front._lost("the leader's federation process ended (exit code 75)")
+        return front, served
+
+    return asyncio.run(read())
+
+
+def test_the_front_answers_503_naming_the_party_until_a_new_federation_is_ready():
+    from parties.serving import link
+
+    front, served = supervisor_after(link.frame(link.READY))
+    assert served and "exit code 75" in front.down  # a process that ended without a word
+    front, served = supervisor_after(link.frame(link.READY), link.line_frame(link.DOWN, "clinic-c left"))
+    assert served and front.down.startswith("clinic-c left; serving again once") and front.excluded is None
+    front, served = supervisor_after(link.line_frame(link.DOWN, "the join ended: clinic-c did not join"))
+    assert not served and "clinic-c did not join" in front.down
+
+
+def test_a_party_that_broke_the_protocol_stays_excluded():
+    from parties.serving import link
+
+    line = "clinic-c (party 2) broke the protocol (...): it is excluded until the leader's command restarts"
+    front, _ = supervisor_after(link.frame(link.READY), link.line_frame(link.EXCLUDED, line))
+    assert front.excluded == line and front.down == line
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar (leader)")
     p.add_argument("--audit", action="store_true",
                    help="record every message this party receives to audit-<rank>.npz in --folder")
-    from parties.serving.organisation import add_arguments as serving_options
+    from parties.serving.options import add_arguments as serving_options
 
     serving_options(p)
     return p
@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def checked(args: argparse.Namespace) -> tuple[Job, int, bytes]:
     """The job, this party's rank and private key, with every local check done; ConfigError otherwise."""
-    from parties.serving.organisation import refuse_without_serve
+    from parties.serving.options import refuse_without_serve
 
     refuse_without_serve(args)  # --serve's own checks: parties.serving.organisation.checked_serving
     job = load_job(args.job)
@@ -192,13 +192,6 @@ def run_command(args: argparse.Namespace, argv: list[str]) -> int:
     loaded machine, and nothing of this process is left to flush but its two streams."""
     from parties.netns import TCP_TRANSPORT
 
-    if args.serve:  # serving the trained run (docs/serving.md): its own command
-        from parties.serving.organisation import serve_command
-
-        code = serve_command(args)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
     checked(args)
     env = {} if "MPIR_CVAR_CH4_NETMOD" in os.environ else dict(TCP_TRANSPORT)
     code = _exit_code(args, *_run(argv, env, args))

@@ -90,10 +90,14 @@ class Federated:
         from parties.lifecycle import exit_now
 
         joined = self.join()
+
+        def ended(line: str) -> None:  # the run line's words, for a federation
+            self.end(line.replace("the run ended: ", "the federation ended: ", 1))
+
         if self.rank == 0:
-            line: Any = LeaderLine(joined.sessions, {n: r for r, n in enumerate(self.names)}, self.end)
+            line: Any = LeaderLine(joined.sessions, {n: r for r, n in enumerate(self.names)}, ended)
         else:
-            line = PartyLine(joined.sessions[0], self.end)
+            line = PartyLine(joined.sessions[0], ended)
         comm = joined.comm
         service, aggregator, channels = self.open(comm, joined.job_id)
         sealed = ", sealed channels" if channels is not None else ""

@@ -14,34 +14,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from parties.config import ConfigError
+from parties.serving.options import DEFAULTS
 
 #: the federation process's exit codes (besides 0: the leader stopped the service; 2: a usage error)
 JOIN_FAILED, FEDERATION_ENDED, PROTOCOL_BROKEN = 1, 75, 65
 #: a passive party's wait before joining again: after a federation that served, then after each
 #: failed join, doubling up to the cap
 REJOIN_AFTER_END_S, REJOIN_FIRST_S, REJOIN_CAP_S = 0.5, 1.0, 30.0
-SERVING_OPTIONS = ("http", "window_ms", "max_batch", "peer_timeout")
-DEFAULTS = {"window_ms": 1.0, "max_batch": 1024, "peer_timeout": 10.0}
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The serving options of ``vfl party`` (:func:`parties.federation.command.add_arguments`)."""
-    p.add_argument("--serve", action="store_true",
-                   help="serve the run this party trained in --folder instead of training "
-                        "(docs/serving.md#one-process-per-organisation)")
-    p.add_argument("--http", default=None, metavar="HOST:PORT",
-                   help="with --serve, the leader only: where its HTTP endpoint listens")
-    p.add_argument("--window-ms", type=float, default=None,
-                   help=f"with --serve: micro-batching window (default {DEFAULTS['window_ms']:g})")
-    p.add_argument("--max-batch", type=int, default=None,
-                   help=f"with --serve: most rows of one aggregation (default {DEFAULTS['max_batch']})")
-    p.add_argument("--peer-timeout", type=float, default=None,
-                   help=f"with --serve: seconds a round may take (default {DEFAULTS['peer_timeout']:g})")
 
 
 @dataclass(frozen=True)
@@ -56,13 +39,6 @@ class Serving:
     window_ms: float
     max_batch: int
     peer_timeout: float
-
-
-def refuse_without_serve(args: argparse.Namespace) -> None:
-    """Training: the serving options mean nothing without ``--serve``."""
-    given = [f"--{n.replace('_', '-')}" for n in SERVING_OPTIONS if getattr(args, n, None) is not None]
-    if given:
-        raise ConfigError(f"{given[0]} is for --serve (serving a trained run), not for training")
 
 
 def checked_serving(args: argparse.Namespace) -> Serving:
@@ -127,16 +103,6 @@ def trained_epochs(folder: Path, job, rank: int) -> float:
         raise ConfigError(f"--serve: {err}") from None
 
 
-def serve_command(args: argparse.Namespace) -> int:
-    """``vfl party … --serve``: the leader's endpoint and federations, or a passive party's joins."""
-    serving = checked_serving(args)
-    if serving.rank == 0:
-        from parties.serving.supervisor import supervise
-
-        return supervise(args, serving)
-    return rejoin(args, serving)
-
-
 def federation_argv(args: argparse.Namespace, serving: Serving) -> list[str]:
     """The arguments of one federation's process (:mod:`parties.serving.federated`)."""
     argv = [str(args.job), "--as", args.name, "--key", str(args.key), "--data", str(args.data),
@@ -154,35 +120,3 @@ def mpi_env() -> dict[str, str]:
     from parties.netns import TCP_TRANSPORT
 
     return {} if "MPIR_CVAR_CH4_NETMOD" in os.environ else dict(TCP_TRANSPORT)
-
-
-def rejoin(args: argparse.Namespace, serving: Serving) -> int:
-    """A passive party: one federation after another until the leader stops the service, this party
-    is stopped, or a protocol is broken (then the verdict's line, and no new attempt)."""
-    from parties.launch import run_mpi_module
-
-    def say(line: str) -> None:
-        print(f"vfl party {args.name}: {line}", flush=True)
-
-    argv, delay, attempt = federation_argv(args, serving), REJOIN_FIRST_S, 0
-    while True:
-        attempt += 1
-        say(f"serving: federation attempt {attempt}")
-        try:
-            code, _ = run_mpi_module(1, "parties.serving.federated", argv, extra_env=mpi_env(),
-                                     keep="stderr")
-        except KeyboardInterrupt:
-            say("serving: stopped")
-            return 0
-        if code in (0, 2, PROTOCOL_BROKEN):
-            return code
-        if code == FEDERATION_ENDED:
-            delay = REJOIN_AFTER_END_S
-        say(f"serving: attempt {attempt} ended (exit code {code}); joining again in {delay:g} s")
-        try:
-            time.sleep(delay)
-        except KeyboardInterrupt:
-            say("serving: stopped")
-            return 0
-        delay = REJOIN_FIRST_S if code == FEDERATION_ENDED else min(2 * delay, REJOIN_CAP_S)
-

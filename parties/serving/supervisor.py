@@ -32,6 +32,8 @@ from parties.serving.organisation import Serving, federation_argv, mpi_env
 RESTART_FIRST_S, RESTART_CAP_S = 0.2, 10.0
 #: seconds the federation's process has to finish after STOP before it is killed
 STOP_GRACE_S = 10.0
+#: seconds past --peer-timeout the front waits for a round's answer before it stops that process
+ANSWER_GRACE_S = 5.0
 
 
 class FederationDown(RuntimeError):
@@ -60,7 +62,13 @@ class Supervisor:
             raise FederationDown(self.down or "no federation")
         self._answer = asyncio.get_running_loop().create_future()
         self.writer.write(wire.frame(wire.SCORE, ids.astype(np.int64).tobytes()))
-        payload = await self._answer
+        try:  # the process names a silent party itself; this is for a process that cannot
+            payload = await asyncio.wait_for(self._answer, self.serving.peer_timeout + ANSWER_GRACE_S)
+        except TimeoutError:
+            self.process.kill()
+            seconds = self.serving.peer_timeout + ANSWER_GRACE_S
+            raise FederationDown(f"the leader's federation process did not answer within {seconds:g} s: it "
+                                 "was stopped") from None
         z, held = wire.scores_of(payload, ids.size)
         return BatchScores(z, held)
 
