@@ -19,6 +19,7 @@ gives its scores and its last line to the front over the local link (:mod:`parti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import threading
 from typing import Any
@@ -69,6 +70,7 @@ class Federated:
         self.args, self.serving, self.plan, self.model, self.link = args, serving, plan, model, link
         self.names = [p.name for p in serving.job.parties]
         self.rank = serving.rank
+        self.sessions: list = []  # the leader's hello sessions, once joined
 
     def say(self, line: str) -> None:
         print(f"vfl party {self.args.name}: {line}", flush=True)
@@ -76,10 +78,14 @@ class Federated:
     def end(self, line: str, code: int = FEDERATION_ENDED, kind: int = wire_link.DOWN) -> None:
         """Give the front the line (the leader), print it, and leave at once: an MPI call may be stuck
         on a process that is gone."""
+        from parties.federation.hello import FrameError
         from parties.federation.join import end_now
 
         if self.link is not None:
             self.link.tell(kind, line)
+        for session in self.sessions:  # the leader: every party hears why (the run line's "abort")
+            with contextlib.suppress(FrameError, OSError):
+                session.send({"status": "abort", "reason": line})
         end_now(f"vfl party {self.args.name}: {line}", code)
 
     def who(self, rank: int) -> str:
@@ -128,6 +134,7 @@ class Federated:
                 bind = split_address(self.args.listen or job.leader.address)
                 self.say(f"serving: the hello listens on {bind[0]}:{bind[1]}; waiting for every party")
                 joined = lead(job, private, bind, resume=False, timeout=timeout, log=self.say, fail=failed)
+                self.sessions = joined.sessions
                 for session in joined.sessions:
                     session.send({"status": SERVE_STATUS})
                 return joined

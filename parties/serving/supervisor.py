@@ -102,7 +102,11 @@ class Supervisor:
         await asyncio.wait({connected, ended}, return_when=asyncio.FIRST_COMPLETED)
         if self.reader is not None:
             served = await self._read_link(self.reader)
-        code = await ended
+        try:  # its link closed: it is ending (a process stuck in MPI by then is stopped)
+            code = await asyncio.wait_for(asyncio.shield(ended), STOP_GRACE_S)
+        except TimeoutError:
+            self.process.kill()
+            code = await ended
         connected.cancel()
         self._lost(f"the leader's federation process ended (exit code {code})")
         self._connected.clear()
