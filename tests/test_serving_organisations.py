@@ -66,7 +66,7 @@ def organisations(tmp_path_factory):
     write_jobs(orgs, f"127.0.0.1:{free_port()}")
     partials = [trained_folder(org, seed) for seed, org in enumerate(orgs)]
     expected = {i: sum(p[i] for p in partials) for i in partials[0]}
-    return orgs, expected
+    return orgs, expected, split
 
 
 class Endpoint:
@@ -102,7 +102,7 @@ def start(org, *more: str) -> subprocess.Popen:
 
 @pytest.mark.mpi
 def test_organisations_serve_and_a_party_that_returns_is_served_again(organisations):
-    orgs, expected = organisations
+    orgs, expected, _ = organisations
     endpoint = Endpoint(free_port())
     procs = [start(orgs[0], "--http", endpoint.url.removeprefix("http://")), *map(start, orgs[1:])]
     try:
@@ -235,6 +235,37 @@ def test_a_party_that_broke_the_protocol_stays_excluded():
     line = "clinic-c (party 2) broke the protocol (...): it is excluded until the leader's command restarts"
     front, _ = supervisor_after(link.frame(link.READY), link.line_frame(link.EXCLUDED, line))
     assert front.excluded == line and front.down == line
+
+
+def test_serving_reads_the_runs_scaling_and_label_draw_back_and_writes_nothing(organisations, tmp_path):
+    """Under ``standardize`` and ``label-privacy = "dp"`` the leader's folder holds the statistics and
+    the one randomized-response draw of training: serving scales with them and draws nothing again."""
+    from parties.federation.member import party_plan
+    from parties.loading import load_party
+    from parties.serving.organisation import checked_serving, serving_plan
+    from parties.serving.store import load_model
+
+    orgs = make_orgs(tmp_path, organisations[2])
+    write_jobs(orgs, f"127.0.0.1:{free_port()}",
+               **{o.name: {"standardize": "center", "label-privacy": "dp", "epsilon": 1.0} for o in orgs})
+    leader = orgs[0]
+    trained_folder(leader, 0)
+    training = serving_args(leader)
+    load_party(party_plan(load_job_of(leader), 0, training), 0)  # training's draw and statistics
+    before = {p.name: p.read_bytes() for p in leader.run.iterdir()}
+    assert {"standardize-0.npz", "label-dp-0.npz"} <= set(before)
+    args = serving_args(leader, "--serve", "--http", "127.0.0.1:8080")
+    serving = checked_serving(args)
+    model = load_model(serving_plan(serving, args), 0, serving.epochs)
+    assert {p.name: p.read_bytes() for p in leader.run.iterdir()} == before
+    train_rows = model.rows[model.lookup(np.asarray(load_party(serving_plan(serving, args), 0).train_ids))]
+    assert np.allclose(np.asarray(train_rows.mean(axis=0)).ravel(), 0, atol=1e-9)  # centred as in training
+
+
+def load_job_of(org):
+    from parties.federation.jobfile import load_job
+
+    return load_job(org.job)
 
 
 if __name__ == "__main__":

@@ -39,9 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     from parties.config import ConfigError
     from parties.federation.command import add_arguments
     from parties.federation.join import end_now
-    from parties.federation.member import party_plan
     from parties.orphans import die_with_parent
-    from parties.serving.organisation import checked_serving
+    from parties.serving.organisation import checked_serving, serving_plan
     from parties.serving.store import load_model
     from parties.threads import configure_rank
     from protocols.masking import PrecisionWarning
@@ -54,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     try:
         serving = checked_serving(args)
-        plan = party_plan(serving.job, serving.rank, args)
+        plan = serving_plan(serving, args)
         model = load_model(plan, serving.rank, serving.epochs)
     except (ConfigError, ValueError, OSError) as err:
         end_now(f"vfl party {args.name}: error: {err}", 2)

@@ -120,3 +120,12 @@ def mpi_env() -> dict[str, str]:
     from parties.netns import TCP_TRANSPORT
 
     return {} if "MPIR_CVAR_CH4_NETMOD" in os.environ else dict(TCP_TRANSPORT)
+
+
+def serving_plan(serving: Serving, args: argparse.Namespace):
+    """This party's plan to load its block and rows, as training's (:func:`party_plan`) but resumed:
+    its ``--standardize`` statistics and ``--label-privacy dp`` draw are read back from the folder,
+    never drawn again (which would overwrite the run's own, and so change what a ``--resume`` reads)."""
+    from parties.federation.member import party_plan
+
+    return party_plan(serving.job, serving.rank, argparse.Namespace(**{**vars(args), "resume": True}))
