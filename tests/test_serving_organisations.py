@@ -63,7 +63,7 @@ def organisations(tmp_path_factory):
     split = base / "split"
     assert main(["split", "breast-cancer", "-n", "3", "-m", "1", "--out", str(split)]) == 0
     orgs = make_orgs(base, split)
-    write_jobs(orgs, f"127.0.0.1:{free_port()}")
+    write_jobs(orgs, f"127.0.0.1:{free_port()}", **{o.name: {"standardize": "off"} for o in orgs})  # raw x
     partials = [trained_folder(org, seed) for seed, org in enumerate(orgs)]
     expected = {i: sum(p[i] for p in partials) for i in partials[0]}
     return orgs, expected, split

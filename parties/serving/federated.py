@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         plan = serving_plan(serving, args)
         model = load_model(plan, serving.rank, serving.epochs)
     except (ConfigError, ValueError, OSError) as err:
-        end_now(f"vfl party {args.name}: error: {err}", 2)
+        end_now(f"vfl party {args.name}: error: cannot serve this party's block and rows: {err}", 2)
         return
     link = wire_link.ProcessEnd(args.link, serving.max_batch) if serving.rank == 0 else None
     Federated(args, serving, plan, model, link).run()

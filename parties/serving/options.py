@@ -17,13 +17,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve", action="store_true",
                    help="serve the run this party trained in --folder instead of training "
                         "(docs/serving.md#one-process-per-organisation)")
-    p.add_argument("--http", default=None, metavar="HOST:PORT",
+    # not given: absent from the namespace (argparse.SUPPRESS), so the help shows the real defaults
+    p.add_argument("--http", default=argparse.SUPPRESS, metavar="HOST:PORT",
                    help="with --serve, the leader only: where its HTTP endpoint listens")
-    p.add_argument("--window-ms", type=float, default=None,
+    p.add_argument("--window-ms", default=argparse.SUPPRESS, type=float,
                    help=f"with --serve: micro-batching window (default {DEFAULTS['window_ms']:g})")
-    p.add_argument("--max-batch", type=int, default=None,
+    p.add_argument("--max-batch", default=argparse.SUPPRESS, type=int,
                    help=f"with --serve: most rows of one aggregation (default {DEFAULTS['max_batch']})")
-    p.add_argument("--peer-timeout", type=float, default=None,
+    p.add_argument("--peer-timeout", default=argparse.SUPPRESS, type=float,
                    help=f"with --serve: seconds a round may take (default {DEFAULTS['peer_timeout']:g})")
 
 

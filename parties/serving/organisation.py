@@ -49,6 +49,7 @@ def checked_serving(args: argparse.Namespace) -> Serving:
 
     job = load_job(args.job)
     rank = job.rank_of(args.name)
+    given = {n: getattr(args, n, None) for n in ("http", *DEFAULTS)}  # absent when not given
     private = read_private_key(args.key, job, rank)
     flags = [f for f, on in (("--resume", args.resume), ("--overwrite", args.overwrite),
                              ("--audit", args.audit)) if on]
@@ -60,15 +61,15 @@ def checked_serving(args: argparse.Namespace) -> Serving:
         raise ConfigError("--serve scores linear runs only for now (this job trains networks)")
     if not args.join_timeout > 0:
         raise ConfigError(f"--join-timeout must be positive (got {args.join_timeout:g})")
-    if (args.listen is not None or args.http is not None) and rank != 0:
+    if (args.listen is not None or given["http"] is not None) and rank != 0:
         flag = "--listen" if args.listen is not None else "--http"
         raise ConfigError(f"{flag} is for the leader ({job.leader.name}) only: the other parties connect out")
-    if rank == 0 and args.http is None:
+    if rank == 0 and given["http"] is None:
         raise ConfigError(f"--serve: the leader {job.leader.name} needs --http HOST:PORT for its endpoint")
-    http = split_address(args.http, "--http") if args.http is not None else None
+    http = split_address(given["http"], "--http") if given["http"] is not None else None
     if args.listen is not None:
         split_address(args.listen, "--listen")
-    values = {n: getattr(args, n) if getattr(args, n) is not None else d for n, d in DEFAULTS.items()}
+    values = {n: given[n] if given[n] is not None else d for n, d in DEFAULTS.items()}
     try:
         check_options(http[1] if http else 0, values["window_ms"], values["max_batch"],
                       values["peer_timeout"])
@@ -110,8 +111,8 @@ def federation_argv(args: argparse.Namespace, serving: Serving) -> list[str]:
             "--max-batch", str(serving.max_batch), "--peer-timeout", str(serving.peer_timeout)]
     if args.listen is not None:
         argv += ["--listen", args.listen]
-    if args.http is not None:
-        argv += ["--http", args.http]
+    if serving.http is not None:
+        argv += ["--http", f"{serving.http[0]}:{serving.http[1]}"]
     return argv
 
 

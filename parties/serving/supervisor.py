@@ -32,6 +32,8 @@ from parties.serving.organisation import Serving, federation_argv, mpi_env
 RESTART_FIRST_S, RESTART_CAP_S = 0.2, 10.0
 #: seconds the federation's process has to finish after STOP before it is killed
 STOP_GRACE_S = 10.0
+#: the exit code of a federation's process that refused this party's own files (one line said why)
+USAGE = 2
 #: seconds past --peer-timeout the front waits for a round's answer before it stops that process
 ANSWER_GRACE_S = 5.0
 
@@ -53,6 +55,7 @@ class Supervisor:
         self._connected = asyncio.Event()
         self._answer: asyncio.Future | None = None
         self.stopping = False
+        self.usage = False  # a federation's process refused this party's own files (exit code 2)
 
     # ----------------------------------------------------------------- what the endpoint calls
 
@@ -87,6 +90,9 @@ class Supervisor:
         while not self.stopping and self.excluded is None:
             served = await self._one_federation()
             if self.stopping or self.excluded is not None:
+                return
+            if not served and self.process.returncode == USAGE:  # the leader's own files: one line said
+                self.usage = True
                 return
             delay = RESTART_FIRST_S if served else min(2 * delay, RESTART_CAP_S)
             print(f"vfl party {self.args.name}: serving: a new federation in {delay:g} s", flush=True)
@@ -223,12 +229,12 @@ async def _serve(args: argparse.Namespace, serving: Serving, socket_path: str) -
     batching = asyncio.create_task(batcher.run())
     federations = asyncio.create_task(supervisor.federations())
     await asyncio.wait({asyncio.ensure_future(stop.wait()), federations}, return_when=asyncio.FIRST_COMPLETED)
-    if not stop.is_set():  # a party was excluded: the endpoint says so until this command is stopped
-        await stop.wait()
+    if not stop.is_set() and not supervisor.usage:  # a party was excluded: the endpoint says so until
+        await stop.wait()                               # this command is stopped
     await runner.cleanup()
     batching.cancel()
     await supervisor.stop()
     federations.cancel()
     server.close()
     print(f"vfl party {args.name}: serving: stopped after {batcher.batches} batches", flush=True)
-    return 1 if supervisor.excluded else 0
+    return USAGE if supervisor.usage else 1 if supervisor.excluded else 0
