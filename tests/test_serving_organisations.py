@@ -129,10 +129,20 @@ def test_organisations_serve_and_a_party_that_returns_is_served_again(organisati
         assert status == 200 and again == pytest.approx([*served[:5], None])
     finally:
         procs[0].send_signal(signal.SIGTERM)
-        outputs = [p.communicate(timeout=30)[0] for p in procs]
+        outputs = [ended(p) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(outputs)
     assert "the leader stopped the service" in outputs[1]
     assert "federation attempt 2" in outputs[1]  # bank-b joined again, saying so
+
+
+def ended(proc: subprocess.Popen) -> str:
+    """Its output once it has ended; killed (and its processes with it) if it has not within 30 s, so
+    that no passive party is left joining again after a failed test."""
+    try:
+        return proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()[0] + "\n(killed: it did not end within 30 s)"
 
 
 def serving_args(org, *more: str) -> Namespace:
