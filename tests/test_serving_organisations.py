@@ -155,6 +155,10 @@ def serving_args(org, *more: str) -> Namespace:
 
 @pytest.mark.parametrize("rank, more, says", [
     (1, ("--serve", "--resume"), "--resume is for training"),
+    (2, ("--serve", "--overwrite"), "--overwrite is for training"),
+    (0, ("--serve", "--http", "127.0.0.1:8080", "--audit"), "--audit is for training"),
+    (1, ("--serve", "--listen", "0.0.0.0:7700"), "--listen is for the leader (bank-a) only"),
+    (0, ("--serve", "--http", "127.0.0.1:0"), "--http: address must be"),
     (1, ("--serve", "--http", "127.0.0.1:8080"), "--http is for the leader (bank-a) only"),
     (0, ("--serve",), "needs --http HOST:PORT"),
     (0, ("--serve", "--http", "127.0.0.1:8080", "--max-batch", "0"), "--max-batch must be in"),
