@@ -90,10 +90,10 @@ def _from_party_folder(folder: Path, rank: int, data, problems) -> PartySource:
                          "is: pass --data, the --data it was trained from (for its column schema)")
     return PartySource(rank, len(table), problem, standardize, table[rank]["role"] == "active",
                        own_party_file(data, rank), folder, scaling_file(folder, rank),
-                       _party_epochs(folder, rank))
+                       party_epochs(folder, rank))
 
 
-def _party_epochs(folder: Path, rank: int) -> float:
+def party_epochs(folder: Path, rank: int) -> float:
     """The epoch every party completed: the leader's manifest, else the leader's final summary, which
     must be the newest block this party holds (else the run went on after it and did not end)."""
     if (folder / MANIFEST).exists():
