@@ -167,13 +167,13 @@ def accuracy(args, work: Path) -> list[dict]:
 
 def privacy(args, work: Path) -> list[dict]:
     rows = []
-    common = ["-B", str(args.batch), "--gamma", str(args.gamma), "--epochs", str(args.epochs), "--bottom",
-              args.bottom, "--top",
-              args.top, "-P", str(args.inflight), "--audit"]
+    common = ["-B", str(args.batch), "--gamma", str(args.gamma), "--epochs", str(args.epochs),
+              "--bottom", args.bottom, "--top", args.top, "-P", str(args.inflight), "--audit"]
     for seed in range(args.seeds):
         for epsilon in [None, *args.epsilons]:
-            mode = "plain" if epsilon is None else f"dp-theta ε={epsilon:g}"
-            extra = [] if epsilon is None else ["--label-privacy", "dp-theta", "--epsilon", f"{epsilon:g}"]
+            mode = "plain" if epsilon is None else f"dp-theta {args.theta_noise} ε={epsilon:g}"
+            extra = [] if epsilon is None else ["--label-privacy", "dp-theta", "--epsilon", f"{epsilon:g}",
+                                                "--theta-noise", args.theta_noise]
             load = _load()
             folder = work / f"{mode.replace(' ', '-')}-{seed}"
             records = _job(folder, args.dataset, args.parties, common + extra + ["--seed", str(seed)])
@@ -263,8 +263,8 @@ def _write_privacy(rows: list[dict], name: str) -> None:
         ax.scatter([100 * r["final_accuracy"] for r in rows], [r[key] for r in rows], color=colour,
                    label=key.replace("_auc", "").replace("completion", "model completion"))
     for r in rows:
-        ax.annotate(r["mode"].replace("dp-theta ", ""), (100 * r["final_accuracy"], r["direction_auc"]),
-                    fontsize=7)
+        label = r["mode"].replace("dp-theta ", "").replace("per-row ", "")
+        ax.annotate(label, (100 * r["final_accuracy"], r["direction_auc"]), fontsize=7)
     ax.axhline(0.6, color="grey", linestyle=":")
     ax.set_xlabel("test accuracy (%)")
     ax.set_ylabel("attack AUC on a passive party")
@@ -293,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--epsilons", type=float, nargs="+", default=[4.0, 8.0],
                    help="privacy: the label-DP budgets of the protected runs")
+    p.add_argument("--theta-noise", choices=("fresh", "per-row"), default="fresh",
+                   help="privacy: how the protected runs noise ϑ (vfl train --theta-noise)")
     args = p.parse_args(argv)
     if args.part in ("accuracy", "privacy"):
         if args.epochs != int(args.epochs):
@@ -300,5 +302,7 @@ def main(argv: list[str] | None = None) -> None:
         args.epochs = int(args.epochs)
     with tempfile.TemporaryDirectory(prefix="vnn-runtime-") as tmp:
         rows = {"straggler": straggler, "accuracy": accuracy, "privacy": privacy}[args.part](args, Path(tmp))
-    write(rows, f"{args.part}-{args.dataset}")
-    print((OUT / f"{args.part}-{args.dataset}.md").read_text())
+    name = f"{args.part}-{args.dataset}" + ("-per-row" if args.part == "privacy" and
+                                            args.theta_noise == "per-row" else "")
+    write(rows, name)
+    print((OUT / f"{name}.md").read_text())

@@ -23,6 +23,8 @@ import threading
 
 import numpy as np
 
+from vertical.nn.protection import RowNoise
+
 
 class Diverged(ArithmeticError):
     """A label holder's ϑ is not finite: the run diverged (the job ends with that outcome)."""
@@ -103,7 +105,11 @@ class NetworkPart:
     def theta(self, scores: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The top's step on ``z_B`` (the secure sum of every party's contribution) and the rows' ϑ."""
         assert self.top is not None and self.labels is not None, "only a label holder computes ϑ"
-        theta, _ = self.top.step(scores.reshape(-1, self.k), self.labels[rows], self.protection)
+        if isinstance(self.protection, RowNoise):  # an identity top: ϑ, then each row's own noise
+            theta, _ = self.top.step(scores.reshape(-1, self.k), self.labels[rows])
+            theta = self.protection.release(theta, rows)
+        else:
+            theta, _ = self.top.step(scores.reshape(-1, self.k), self.labels[rows], self.protection)
         theta = np.ascontiguousarray(theta, dtype=np.float64).ravel()
         if not np.all(np.isfinite(theta)):  # sent, every receiver would refuse it and name this party
             raise Diverged("the top's ϑ is not finite: the networks diverged (lower --gamma, Adam's step)")
