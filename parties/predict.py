@@ -118,8 +118,6 @@ def run_predict(run: Path, split: str, output: Path) -> None:
 def _network_scores(aggregator, config: JobPlan, party, block, epochs: float) -> np.ndarray | None:
     """``--model mlp``: each party's trained network on its own rows, the embeddings summed by secure
     aggregation (no party sees another's), and at the leader the top's logit of the positive class."""
-    from scipy.special import logit
-
     from parties.party_model import NetworkPart
 
     part = NetworkPart(party)
@@ -130,7 +128,15 @@ def _network_scores(aggregator, config: JobPlan, party, block, epochs: float) ->
     total = aggregator.sum(part.embed(block.to_csr()).ravel(), root=LEADER)
     if total is None:
         return None
-    proba = part.top.predict_proba(total.reshape(-1, part.k))
+    return network_outputs(part.top.predict_proba(total.reshape(-1, part.k)))
+
+
+def network_outputs(proba: np.ndarray) -> np.ndarray:
+    """What a network's top gives for its class probabilities ``proba`` (n, C): binary, the logit of
+    the positive class (the score); more classes, the probabilities themselves. ``vfl serve`` and
+    ``parties.export.combined_scores`` answer through it, so all three agree."""
+    from scipy.special import logit
+
     if proba.shape[1] > 2:
         return proba
     return logit(np.clip(proba[:, 1], 1e-300, 1 - 1e-16))
