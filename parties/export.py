@@ -270,7 +270,8 @@ def _read_arrays(path: Path, manifest: dict, layers: dict | None = None) -> dict
             raise ValueError(f"{path} is damaged: {key} holds NaN or infinite values")
     if "scale" in arrays and not (arrays["scale"] > 0).all():
         raise ValueError(f"{path} is damaged: a scale is not positive")
-    if {"names": "feature_names", "columns": "columns"}.get(manifest["schema"], "w") not in arrays:
+    named_by = {"names": "feature_names", "columns": "columns"}.get(manifest["schema"])
+    if named_by is not None and named_by not in arrays:  # "positions": the order of w or of the layers
         raise ValueError(f"{path} is damaged: the schema {manifest['schema']!r} has no array")
     return {k: v.astype(np.float64) if k in ("w", "shift", "scale") else v for k, v in arrays.items()}
 
