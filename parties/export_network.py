@@ -122,7 +122,7 @@ def load_trained_network(folder, rank: int, n_features: int, epochs: float, bott
     head = None
     if labels is not None:
         seen = [as_classes(y) for y in labels if y is not None and np.size(y)]
-        head = MLPTop(top, max(2, *(int(y.max()) + 1 for y in seen)), k=network.k, optimizer=None)
+        head = MLPTop(top, max([2, *(int(y.max()) + 1 for y in seen)]), k=network.k, optimizer=None)
     part = NetworkPart(SimpleNamespace(network=network, top=head, classes=None))
     ckpt = load_checkpoint(folder, rank, n_features, epochs, part.state_shapes())
     assert ckpt.network is not None
