@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 import scipy.sparse as sp
@@ -107,33 +106,11 @@ def widths_of(layers: Layers) -> tuple[int, ...]:
     return (int(layers[0][0].shape[1]), *(int(w.shape[0]) for w, _ in layers)) if layers else ()
 
 
-def load_trained_network(folder, rank: int, n_features: int, epochs: float, bottom: str, top: str,
-                         labels=None):
-    """Party ``rank``'s trained network for inference (a
-    :class:`~parties.party_model.NetworkPart`): rebuilt from its ``bottom`` spec (and, given the
-    leader's ``labels``, the top's, with as many classes as training saw:
-    :func:`parties.party_model.attach_network`) and loaded from its checkpoint of ``epochs`` with every
-    name and shape checked, as ``vfl predict`` loads it. No optimiser is built (no step is taken)."""
-    from parties.checkpoint import load_checkpoint
-    from parties.party_model import NetworkPart, as_classes
-    from vertical.nn.networks import MLPBottom, MLPTop
-
-    network = MLPBottom(np.zeros((1, n_features)), bottom, optimizer=None)
-    head = None
-    if labels is not None:
-        seen = [as_classes(y) for y in labels if y is not None and np.size(y)]
-        head = MLPTop(top, max([2, *(int(y.max()) + 1 for y in seen)]), k=network.k, optimizer=None)
-    part = NetworkPart(SimpleNamespace(network=network, top=head, classes=None))
-    ckpt = load_checkpoint(folder, rank, n_features, epochs, part.state_shapes())
-    assert ckpt.network is not None
-    part.load_state({name: value for name, value in ckpt.network.items() if "/param/" in name})
-    return part
-
-
 def trained_part(source, own, shift, scale) -> NetworkExport:
     """Party ``source.rank``'s part (a :class:`parties.export_source.PartySource`, its own party file
     ``own`` and scaling): its trained network's layers."""
     from parties.model_options import bottom_specs
+    from parties.party_model import load_trained_network
 
     spec = bottom_specs(source.bottom, source.parties)[source.rank]
     labels = (own.y_train, own.y_test) if source.active else None

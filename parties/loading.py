@@ -25,8 +25,8 @@ from vertical.standardize import Scaling, apply_scaling, fit_scaling
 
 def load_party(config: JobPlan, rank: int, *, network: bool = True) -> PartyState:
     """This rank's PartyState: its block of the training/test features and, if active, the labels;
-    ``--model mlp``: its network to train too, unless ``network`` is False (serving loads the trained
-    one for inference, :func:`parties.export_network.load_trained_network`)."""
+    ``--model mlp``: its network to train too, unless ``network`` is False (``vfl predict`` and ``vfl
+    serve`` load the trained one for inference, :func:`parties.party_model.run_network`)."""
     active = rank < config.active
     if config.party_files is None:
         raise ValueError("a rank reads only its own party file: the launcher writes them for a named "

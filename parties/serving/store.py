@@ -77,23 +77,9 @@ def load_model(config: JobPlan, rank: int, epochs: float) -> PartyModel:
     if config.model == "linear":
         w = load_checkpoint(config.party_folder(rank), rank, party.block.n_cols, epochs).w
         return PartyModel(rank, np.asarray(w, dtype=np.float64), rows, all_ids[order], order, task)
-    network = _trained_network(config, party, epochs)
+    from parties.party_model import run_network
+
+    network = run_network(config, party, epochs)
     if network.top is not None and network.top.n_classes > 2:
         task = "multiclass"
     return PartyModel(rank, np.zeros(party.block.n_cols), rows, all_ids[order], order, task, network)
-
-
-def _trained_network(config: JobPlan, party, epochs: float):
-    """``--model mlp``: the party's trained network (the leader's with its top), as ``vfl predict`` has
-    it, on the torch threads the launcher gave this rank (one by default beside the others)."""
-    import torch
-
-    from parties.export_network import load_trained_network
-    from parties.model_options import bottom_specs
-    from parties.threads import configured
-
-    torch.set_num_threads(configured() or 1)
-    rank = party.rank
-    labels = None if party.problem is None else (party.y, party.y_test)
-    return load_trained_network(config.party_folder(rank), rank, party.block.n_cols, epochs,
-                                bottom_specs(config.bottom, config.parties)[rank], config.top, labels)
