@@ -40,6 +40,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                   "parties on one host vs one network namespace each (TCP): time per update, round trip"),
     "webspam_shape": ("experiments.bench_webspam_shape",
                       "webspam's 16.6M features (rows reduced) vs 10k: time per epoch, peak RSS per rank"),
+    "dead_peer": ("experiments.bench_dead_peer",
+                  "MPICH (OFI/tcp): do MPI calls to a joined peer that died return, fail or hang"),
     "workers": ("experiments.bench_workers", "k = 1 vs k = 2 worker threads on one shared block (issue 4)"),
     "hfl_quick": ("experiments.hfl_quick", "horizontal FL smoke run on Fashion-MNIST + round timing"),
     "hfl_scafcom": ("experiments.hfl_scafcom",

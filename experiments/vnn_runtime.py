@@ -5,6 +5,11 @@
   evaluated every ``--eval-every`` epochs. The lock-step run's final test accuracy is the target; the
   speed-up is the lock-step run's training time over the time the asynchronous run first reached it
   (the issue's goal: ≥ 2×).
+* **privacy** - ``--label-privacy dp-theta`` at each ``--epsilons`` against the unprotected job (the same
+  seed and options, async): test accuracy, and Li et al.'s direction and norm attacks on a passive
+  party's ``--audit`` transcript (1 % of the labels known to orient the direction), and the model
+  completion attack (a logistic head fitted on the party's own trained embeddings of the known rows);
+  the issue's goal: attack AUC ≤ 0.60 at ≤ 1 point of accuracy, with ε stated.
 * **accuracy** - the runtime (async) against the centralised network of the same architecture
   (``vertical/nn/central.py``: every party's network on its own columns, summed, the same top, one
   process, the same epochs and batch size), per seed; and the time of an epoch of each.
@@ -64,7 +69,7 @@ def _load() -> float:
 
 def straggler(args, work: Path) -> list[dict]:
     rows = []
-    common = ["-B", str(args.batch), "--eval-every", str(args.eval_every),
+    common = ["-B", str(args.batch), "--gamma", str(args.gamma), "--eval-every", str(args.eval_every),
               "--straggler", "1", "--slowdown", str(args.slowdown), "--bottom", args.bottom,
               "--top", args.top]
     for repeat in range(args.repeats):
@@ -92,7 +97,8 @@ def straggler(args, work: Path) -> list[dict]:
     return rows
 
 
-def _central(dataset: str, parties: int, bottom: str, top: str, epochs: int, batch: int, seed: int) -> dict:
+def _central(dataset: str, parties: int, bottom: str, top: str, epochs: int, batch: int, seed: int,
+             gamma: float) -> dict:
     """The centralised network of the runtime's architecture on the job's columns, one process."""
     import torch
 
@@ -110,7 +116,7 @@ def _central(dataset: str, parties: int, bottom: str, top: str, epochs: int, bat
         columns = random_blocks(ds.n_features, parties, seed=seed)
         y, y_test, n_classes = (ds.y_train > 0).astype(np.int64), (ds.y_test > 0).astype(np.int64), 2
     X, X_test = _scaled_as_the_parties(ds.X_train, ds.X_test, columns)
-    optimizer = OptimizerSpec("adam", lr=1e-3, weight_decay=1e-4)  # the runtime's defaults (--lam 1e-4)
+    optimizer = OptimizerSpec("adam", lr=gamma, weight_decay=1e-4)  # the runtime's --gamma, --lam 1e-4
     bottoms, head = build_split_network(X, columns, bottom, top, n_classes, optimizer=optimizer, seed=seed)
     model = AssembledNetwork.from_parties(bottoms, columns, head)
     started = time.perf_counter()
@@ -143,18 +149,67 @@ def accuracy(args, work: Path) -> list[dict]:
     for seed in range(args.seeds):
         load = _load()
         records = _job(work / f"async-{seed}", args.dataset, args.parties,
-                       ["-B", str(args.batch), "--epochs", str(args.epochs), "--bottom", args.bottom,
+                       ["-B", str(args.batch), "--gamma", str(args.gamma), "--epochs", str(args.epochs),
+                        "--bottom", args.bottom,
                         "--top", args.top, "-P", str(args.inflight), "--seed", str(seed)])
         rows.append({"part": "accuracy", "dataset": args.dataset, "seed": seed, "mode": "async",
                      "final_accuracy": records[-1]["test_accuracy"], "train_time": records[-1]["time"],
                      "epoch_time": records[-1]["time"] / args.epochs, "load": round(load, 2),
                      "cpu": cpu_model()})
         load = _load()
-        central = _central(args.dataset, args.parties, args.bottom, args.top, args.epochs, args.batch, seed)
+        central = _central(args.dataset, args.parties, args.bottom, args.top, args.epochs, args.batch, seed,
+                           args.gamma)
         rows.append({"part": "accuracy", "dataset": args.dataset, "seed": seed, "mode": "central",
                      "final_accuracy": central["test_accuracy"], "train_time": central["time"],
                      "epoch_time": central["time"] / args.epochs, "load": round(load, 2), "cpu": cpu_model()})
     return rows
+
+
+def privacy(args, work: Path) -> list[dict]:
+    rows = []
+    common = ["-B", str(args.batch), "--gamma", str(args.gamma), "--epochs", str(args.epochs),
+              "--bottom", args.bottom, "--top", args.top, "-P", str(args.inflight), "--audit"]
+    for seed in range(args.seeds):
+        for epsilon in [None, *args.epsilons]:
+            mode = "plain" if epsilon is None else f"dp-theta {args.theta_noise} ε={epsilon:g}"
+            extra = [] if epsilon is None else ["--label-privacy", "dp-theta", "--epsilon", f"{epsilon:g}",
+                                                "--theta-noise", args.theta_noise]
+            load = _load()
+            folder = work / f"{mode.replace(' ', '-')}-{seed}"
+            records = _job(folder, args.dataset, args.parties, common + extra + ["--seed", str(seed)])
+            attacks = _attacks(folder, rank=args.parties - 1, seed=seed)
+            rows.append({"part": "privacy", "dataset": args.dataset, "seed": seed, "mode": mode,
+                         "epsilon": epsilon, "final_accuracy": records[-1]["test_accuracy"],
+                         "train_time": records[-1]["time"], **attacks, "load": round(load, 2),
+                         "cpu": cpu_model()})
+    return rows
+
+
+def _attacks(out: Path, rank: int, seed: int) -> dict[str, float]:
+    """The attacks of a curious passive party ``rank`` on its own transcript and its own trained network
+    (read from its own folder, as the party itself could), with 1 % of the labels known."""
+    from experiments.label_attacks import Transcript, judge, model_completion, theta_direction, theta_norm
+    from parties.checkpoint import complete_epochs, load_checkpoint
+    from parties.loading import load_party
+    from parties.party_model import NetworkPart
+    from parties.plan import JobPlan
+
+    plan = JobPlan.from_json((out / "config.json").read_text())
+    y = load_party(plan, 0).y
+    rng = np.random.default_rng(seed)
+    known_rows = rng.choice(y.size, size=max(20, y.size // 100), replace=False)
+    transcript = Transcript.load(out / f"audit-{rank}.npz")
+    direction = judge(theta_direction(transcript, y.size, (known_rows, y[known_rows])), y)
+    norm = judge(theta_norm(transcript, y.size), y)
+    party = load_party(plan, rank)
+    part = NetworkPart(party)
+    ckpt = load_checkpoint(plan.party_folder(rank), rank, party.block.n_cols, complete_epochs(out),
+                           part.state_shapes())
+    part.load_state(ckpt.network)
+    completion = judge(model_completion(part.embed(party.block.to_csr()), known_rows, y[known_rows]), y)
+    auc = lambda r: max(r["auc"], 1 - r["auc"])  # noqa: E731 - either way round, as the attacker may flip
+    return {"direction_accuracy": direction["accuracy"], "direction_auc": auc(direction),
+            "norm_auc": auc(norm), "completion_auc": auc(completion), "coverage": direction["coverage"]}
 
 
 def write(rows: list[dict], name: str) -> None:
@@ -162,6 +217,9 @@ def write(rows: list[dict], name: str) -> None:
 
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    if rows[0]["part"] == "privacy":
+        _write_privacy(rows, name)
+        return
     lines = ["| part | dataset | run | mode | test accuracy | training s | to target s | load | CPU |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -185,9 +243,39 @@ def write(rows: list[dict], name: str) -> None:
         _plotting.save(fig, OUT / f"{name}.png")
 
 
+def _write_privacy(rows: list[dict], name: str) -> None:
+    from experiments import _plotting
+
+    lines = ["| dataset | seed | mode | test accuracy | Δ vs plain (points) | direction: accuracy, AUC | "
+             "norm AUC | model completion AUC | training s | load | CPU |", "|---" * 11 + "|"]
+    plain = {r["seed"]: r["final_accuracy"] for r in rows if r["epsilon"] is None}
+    for r in rows:
+        lines.append(f"| {r['dataset']} | {r['seed']} | {r['mode']} | {r['final_accuracy']:.4f} | "
+                     f"{100 * (r['final_accuracy'] - plain[r['seed']]):+.2f} | "
+                     f"{100 * r['direction_accuracy']:.1f} %, {r['direction_auc']:.3f} | "
+                     f"{r['norm_auc']:.3f} | "
+                     f"{r['completion_auc']:.3f} | {r['train_time']:.1f} | {r['load']} | {r['cpu']} |")
+    (OUT / f"{name}.md").write_text("\n".join(lines) + "\n")
+    plt = _plotting.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    colours = {"direction_auc": "tab:red", "norm_auc": "tab:orange", "completion_auc": "tab:purple"}
+    for key, colour in colours.items():
+        ax.scatter([100 * r["final_accuracy"] for r in rows], [r[key] for r in rows], color=colour,
+                   label=key.replace("_auc", "").replace("completion", "model completion"))
+    for r in rows:
+        label = r["mode"].replace("dp-theta ", "").replace("per-row ", "")
+        ax.annotate(label, (100 * r["final_accuracy"], r["direction_auc"]), fontsize=7)
+    ax.axhline(0.6, color="grey", linestyle=":")
+    ax.set_xlabel("test accuracy (%)")
+    ax.set_ylabel("attack AUC on a passive party")
+    ax.set_title(f"{rows[0]['dataset']}: label attacks against accuracy")
+    _plotting.figure_legend(fig)
+    _plotting.save(fig, OUT / f"{name}.png")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("straggler", "accuracy"), required=True)
+    p.add_argument("--part", choices=("straggler", "accuracy", "privacy"), required=True)
     p.add_argument("--dataset", default="a9a")
     p.add_argument("-n", "--parties", type=int, default=4)
     p.add_argument("--epochs", type=float, default=2)
@@ -198,16 +286,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--async-factor", type=float, default=2.0,
                    help="straggler: the asynchronous run trains this many times the epochs, to reach the "
                         "lock-step run's final accuracy")
+    p.add_argument("--gamma", type=float, default=1e-3, help="Adam's step (the runtime's default)")
     p.add_argument("--bottom", default="*-64-16")
     p.add_argument("--top", default="*-*")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--epsilons", type=float, nargs="+", default=[4.0, 8.0],
+                   help="privacy: the label-DP budgets of the protected runs")
+    p.add_argument("--theta-noise", choices=("fresh", "per-row"), default="fresh",
+                   help="privacy: how the protected runs noise ϑ (vfl train --theta-noise)")
     args = p.parse_args(argv)
-    if args.part == "accuracy":
+    if args.part in ("accuracy", "privacy"):
         if args.epochs != int(args.epochs):
-            p.error("--part accuracy trains whole epochs")
+            p.error(f"--part {args.part} trains whole epochs")
         args.epochs = int(args.epochs)
     with tempfile.TemporaryDirectory(prefix="vnn-runtime-") as tmp:
-        rows = (straggler if args.part == "straggler" else accuracy)(args, Path(tmp))
-    write(rows, f"{args.part}-{args.dataset}")
-    print((OUT / f"{args.part}-{args.dataset}.md").read_text())
+        rows = {"straggler": straggler, "accuracy": accuracy, "privacy": privacy}[args.part](args, Path(tmp))
+    name = f"{args.part}-{args.dataset}" + ("-per-row" if args.part == "privacy" and
+                                            args.theta_noise == "per-row" else "")
+    write(rows, name)
+    print((OUT / f"{name}.md").read_text())

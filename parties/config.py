@@ -292,6 +292,11 @@ class RunConfig:
     top: str = option(DEFAULT_TOP, "--top", metavar="SPEC",
                       help="--model mlp: the label holder's top network from k to the logit ('*' "
                            "stands for either end); one width (e.g. '1' with k = 1) is the identity")
+    theta_noise: str = option(
+        "fresh", "--theta-noise", choices=("fresh", "per-row"),
+        help="--label-privacy dp-theta: fresh (each release of a row's ϑ clipped to 1 with new noise, "
+             "composed over the passes; any top) or per-row (one noise draw per row for the whole run, "
+             "one release's ε; identity top only: docs/vertical-networks.md)")
     audit: bool = option(False, "--audit", budget=True,
                          help="each party records every message it receives to audit-<rank>.npz in its "
                               "own folder (--party-dir, default --out)")
@@ -435,6 +440,9 @@ def _check_label_privacy(c: RunConfig) -> None:
         _check_he(c)
     elif c.label_privacy == "dp-theta":
         _check_dp_theta(c)
+    if c.theta_noise != "fresh" and c.label_privacy != "dp-theta":
+        raise ConfigError("--theta-noise chooses how --label-privacy dp-theta noises ϑ: it needs "
+                          "--label-privacy dp-theta")
     if c.he_pack and c.label_privacy != "he":
         raise ConfigError("--he-pack packs --label-privacy he's decryptions: it needs --label-privacy he")
 
@@ -446,6 +454,10 @@ def _check_dp_theta(c: RunConfig) -> None:
                           "model's ϑ is noised by --label-privacy he --epsilon")
     if c.epsilon is None or not 0 < c.epsilon < float("inf"):
         raise ConfigError("--label-privacy dp-theta needs --epsilon, a positive number (e.g. 1, 4, 16)")
+    if c.theta_noise == "per-row" and "-" in c.top:
+        raise ConfigError(f"--theta-noise per-row needs an identity top (one width, e.g. --top 1 with k = 1; "
+                          f"got --top {c.top}): a top with parameters changes between releases, and two "
+                          "releases of a row would then give its label away without noise")
     if c.resume:
         raise ConfigError("--label-privacy dp-theta cannot --resume: the batch schedule would start over, "
                           "and rows could be in more batches than the privacy accounting allows")

@@ -210,11 +210,16 @@ class DataPlane(DominatedLoop):
         release a pass (``vertical/nn/protection.py``). The noise comes from OS entropy: a seed the
         other parties know (the job's is in config.json) would let them subtract it."""
         from parties.label_plane import PassBatches
-        from vertical.nn.protection import LabelProtection
+        from vertical.nn.protection import LabelProtection, RowNoise
 
         assert options.noise_multiplier is not None, "the launcher sizes σ (parties.plan.noise_multiplier)"
-        self.part.protection = LabelProtection(clip=1.0, noise_multiplier=options.noise_multiplier,
-                                               rng=np.random.default_rng())
+        if options.theta_noise == "per-row":
+            if self.party.active:  # the label holder alone draws (and keeps) the rows' noise
+                self.part.protection = RowNoise.drawn(self.party.block.n_rows, self.part.k,
+                                                      options.noise_multiplier, np.random.default_rng())
+        else:
+            self.part.protection = LabelProtection(clip=1.0, noise_multiplier=options.noise_multiplier,
+                                                   rng=np.random.default_rng())
         if self.party.active:
             self._batches = PassBatches(self.party.block.n_rows, self.batch_size, len(self.active_ranks),
                                         self.active_ranks.index(self.rank), options.seed)
@@ -461,7 +466,8 @@ class DataPlane(DominatedLoop):
                 started = time.perf_counter()
                 if self.part.merges_messages or not self.synchronous:
                     self.part.step(np.concatenate([rows for _, rows, _ in items]),
-                                   np.concatenate([thetas for _, _, thetas in items]), writer)
+                                   np.concatenate([thetas for _, _, thetas in items]), writer,
+                                   messages=len(items))
                 else:  # a network in lock-step: each message is one step of its own batch
                     for _, rows, thetas in items:
                         self.part.step(rows, thetas, writer)

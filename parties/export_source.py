@@ -95,7 +95,7 @@ def _from_party_folder(folder: Path, rank: int, data, problems) -> PartySource:
     model, bottom, top = _network_options(folder, options)
     return PartySource(rank, len(table), problem, standardize, table[rank]["role"] == "active",
                        own_party_file(data, rank), folder, scaling_file(folder, rank),
-                       _party_epochs(folder, rank), model, bottom, top)
+                       party_epochs(folder, rank), model, bottom, top)
 
 
 def _network_options(folder: Path, options: dict) -> tuple[str, str, str]:
@@ -109,7 +109,7 @@ def _network_options(folder: Path, options: dict) -> tuple[str, str, str]:
     return chosen
 
 
-def _party_epochs(folder: Path, rank: int) -> float:
+def party_epochs(folder: Path, rank: int) -> float:
     """The epoch every party completed: the leader's manifest, else the leader's final summary, which
     must be the newest block this party holds (else the run went on after it and did not end)."""
     if (folder / MANIFEST).exists():

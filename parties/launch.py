@@ -120,8 +120,10 @@ def prepare(options: RunConfig, *, given: frozenset[str] | None = None, echo: bo
         return _prepare_resume(options, differing_options(options) if given is None else given, echo)
     plan = resolve(options)
     if echo and plan.noise_multiplier:
-        what = ("each row's ϑ is clipped to norm 1 and released with Gaussian noise of noise multiplier"
-                if plan.label_privacy == "dp-theta" else "every ϑ is encrypted with Gaussian noise of")
+        what = ("every ϑ is encrypted with Gaussian noise of" if plan.label_privacy != "dp-theta" else
+                "each row's ϑ is clipped to norm 1 and released with Gaussian noise of noise multiplier"
+                if plan.options.theta_noise == "fresh" else
+                "each row gets one Gaussian draw, added to its every ϑ, of noise multiplier")
         print(f"vfl train: label-DP ε = {plan.epsilon:g}, δ = {plan.delta:g}: {what} σ = "
               f"{plan.noise_multiplier:.3g}", flush=True)
     chosen_for_the_user = options.out is None

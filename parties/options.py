@@ -53,6 +53,8 @@ class RuntimeOptions:
     he_pack: bool = False
     #: --label-privacy he --epsilon: σ of the noise on every ϑ (one label moves ϑ by 1)
     noise_multiplier: float | None = None
+    #: --theta-noise: fresh noise on each release of a row's ϑ, or one draw per row (``per-row``)
+    theta_noise: str = "fresh"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "active_ranks", tuple(self.active_ranks))
@@ -75,4 +77,5 @@ class RuntimeOptions:
             peer_timeout=config.peer_timeout, link_delay=config.link_delay_ms / 1e3,
             link_jitter=config.link_jitter_ms / 1e3, keys=keys, allow_two_parties=config.allow_two_parties,
             audit=config.audit, label_privacy=config.label_privacy, he_scheme=config.he_scheme,
-            he_key_bits=config.he_key_bits, he_pack=config.he_pack, noise_multiplier=config.noise_multiplier)
+            he_key_bits=config.he_key_bits, he_pack=config.he_pack, noise_multiplier=config.noise_multiplier,
+            theta_noise=config.theta_noise)

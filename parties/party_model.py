@@ -23,6 +23,8 @@ import threading
 
 import numpy as np
 
+from vertical.nn.protection import RowNoise
+
 
 class Diverged(ArithmeticError):
     """A label holder's ϑ is not finite: the run diverged (the job ends with that outcome)."""
@@ -32,7 +34,8 @@ class LinearPart:
     """``w·x`` of a party's linear block and its VFB² update rule (k = 1)."""
 
     k = 1
-    #: queued (ϑ, i) messages may be applied in one kernel call: the same iterates
+    #: queued (ϑ, i) messages may be applied in one kernel call: the same iterates (a linear block's
+    #: gradient does not depend on ``w``, so the step of the union of their rows is the sum of theirs)
     merges_messages = True
     #: a B = 1 update takes microseconds: the communication thread waits in MPI's blocking receive
     polls = False
@@ -43,7 +46,7 @@ class LinearPart:
     def contribute(self, rows: np.ndarray) -> np.ndarray:
         return self.party.rule.products(self.party.w, rows)
 
-    def step(self, rows: np.ndarray, thetas: np.ndarray, writer: int) -> None:
+    def step(self, rows: np.ndarray, thetas: np.ndarray, writer: int, messages: int = 1) -> None:
         self.party.rule.apply(self.party.w, rows, thetas, writer=writer)
 
     def theta(self, scores: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -68,7 +71,8 @@ class NetworkPart:
     """A party's network (``party.network``, a :class:`~vertical.nn.base.PartyModel`) and, at the label
     holder, the top network with the loss (``party.top``) on the labels as class indices."""
 
-    #: in lock-step, one step per message; asynchronously the data plane merges what has queued up
+    #: in lock-step, one step per message; asynchronously, the messages that queued up while the party
+    #: worked are taken together (:meth:`step`)
     merges_messages = False
     #: the communication thread polls (sleeping up to 1 ms) rather than spinning in MPI's blocking
     #: receive: a network's messages come milliseconds apart, and a spinning receiver takes the core
@@ -88,14 +92,24 @@ class NetworkPart:
         with self.lock:
             return np.ascontiguousarray(self.model.forward(rows), dtype=np.float64).ravel()
 
-    def step(self, rows: np.ndarray, thetas: np.ndarray, writer: int) -> None:
+    def step(self, rows: np.ndarray, thetas: np.ndarray, writer: int, messages: int = 1) -> None:
+        """The step of ``messages`` (ϑ, i) messages whose rows and ϑ are concatenated here: one gradient
+        of the batch-mean loss on all their rows, then one optimizer step per message. A network's
+        gradient depends on its parameters, so the union is not the sum of the messages' steps as for
+        a linear block; one step in all (the mean of the union) cost a party that falls behind up to
+        1.4 points of Fashion-MNIST accuracy (docs/vertical-networks.md), since it stepped fewer times
+        than the top. One backward per queue is still what lets a slow party catch up."""
         with self.lock:
-            self.model.backward(rows, thetas.reshape(-1, self.k))
+            self.model.backward(rows, thetas.reshape(-1, self.k), steps=messages)
 
     def theta(self, scores: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The top's step on ``z_B`` (the secure sum of every party's contribution) and the rows' ϑ."""
         assert self.top is not None and self.labels is not None, "only a label holder computes ϑ"
-        theta, _ = self.top.step(scores.reshape(-1, self.k), self.labels[rows], self.protection)
+        if isinstance(self.protection, RowNoise):  # an identity top: ϑ, then each row's own noise
+            theta, _ = self.top.step(scores.reshape(-1, self.k), self.labels[rows])
+            theta = self.protection.release(theta, rows)
+        else:
+            theta, _ = self.top.step(scores.reshape(-1, self.k), self.labels[rows], self.protection)
         theta = np.ascontiguousarray(theta, dtype=np.float64).ravel()
         if not np.all(np.isfinite(theta)):  # sent, every receiver would refuse it and name this party
             raise Diverged("the top's ϑ is not finite: the networks diverged (lower --gamma, Adam's step)")

@@ -222,7 +222,10 @@ def noise_multiplier(options: RunConfig, n_train: int) -> float | None:
     if options.label_privacy == "dp-theta" and options.epsilon is not None:
         from vertical.label_privacy import gaussian_noise_multiplier
 
-        return gaussian_noise_multiplier(options.epsilon, options.delta, label_dp_releases(options, n_train))
+        releases = label_dp_releases(options, n_train)  # checks every dominator has a batch a pass
+        if options.theta_noise == "per-row":  # one draw per row: one release (vertical/nn/protection.py)
+            releases = 1
+        return gaussian_noise_multiplier(options.epsilon, options.delta, releases)
     if options.label_privacy != "he" or options.epsilon is None or options.active == options.parties:
         return None  # the noise hides ϑ's labels from passive parties: without them there is none
     from protocols.label_he import VALUE_BITS

@@ -173,7 +173,8 @@ def test_an_asynchronous_network_job_with_per_party_networks_learns(tmp_path):
     """q = 4, each organisation its own network (one spec per party), requests in flight and ϑ riding
     on them: the job learns breast-cancer (a majority-class guess scores 0.63) and says what it ran."""
     proc = train(tmp_path, *NET[:-4], "--bottom", "*-8-4,*-4,*-16-4,*-8-4", "--top", "*-8-*", "-n", "4",
-                 "-P", "4", "--piggyback", "--epochs", "4", "--audit")
+                 "-P", "4", "--piggyback", "--epochs", "4", "--audit", "--straggler", "2",
+                 "--apply-delay-ms", "3")
     records = metrics(tmp_path)
     assert records[-1]["test_accuracy"] >= 0.9
     assert records[-1]["loss"] < 0.6 * records[0]["loss"]
@@ -181,10 +182,21 @@ def test_an_asynchronous_network_job_with_per_party_networks_learns(tmp_path):
     assert "networks *-8-4,*-4,*-16-4,*-8-4 / top *-8-*" in proc.stdout
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["outcome"] == "budget"
+    _every_party_stepped_once_per_batch(tmp_path, parties=4)
     _predictions_score_as_evaluated(tmp_path, records[-1]["test_accuracy"])
     _served_and_exported_as_predicted(tmp_path)
     leak = _direction_attack(tmp_path, rank=3)
     assert leak["accuracy"] >= 0.95, leak  # unprotected: a passive party reads the labels off ϑ
+
+
+def _every_party_stepped_once_per_batch(out: Path, parties: int) -> None:
+    """Every bottom took as many optimizer steps as the top, one per dispatched batch, though the
+    straggler (rank 2, its workers waiting before each apply) took its queued messages together: one
+    gradient on their rows, one step per message. Stepping once per queue left its network behind."""
+    top_steps = int(_trained(out, 0)["top/optim/0/step"])
+    assert top_steps > 50
+    for rank in range(parties):
+        assert int(_trained(out, rank)["bottom/optim/0/step"]) == top_steps, f"party {rank}"
 
 
 def _direction_attack(out: Path, rank: int) -> dict[str, float]:

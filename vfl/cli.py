@@ -198,6 +198,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_party(args: argparse.Namespace) -> int:
+    if args.serve:  # serving the run this party trained (docs/serving.md)
+        from parties.serving.party import serve_command
+
+        return serve_command(args)
     from parties.federation.command import run_command
 
     return run_command(args, args.argv[1:])

@@ -255,10 +255,11 @@ class VerticalMLPClassifier(ClassifierMixin, BaseEstimator):
     MLP bottom, their sum (what the secure aggregation delivers), a top network and the loss at the
     active party, and every party stepping its bottom from the dispatched ϑ = ∂ℓ/∂z (``k`` per row).
 
-    **In this phase ``fit`` simulates the parties in one process** (:func:`vertical.nn.simulate.simulate`:
-    the asynchronous protocol played step by step, with staleness bounded by ``max_staleness``); it
-    starts no MPI job. Training over the real multi-process runtime is phase 2 of the design
-    (``docs/vertical-networks.md``), as are ``vfl train --model mlp`` and a time-based async speed-up.
+    ``backend``: ``"simulate"`` (the default) plays the parties in one process
+    (:func:`vertical.nn.simulate.simulate`: the asynchronous protocol step by step, with staleness
+    bounded by ``max_staleness``) and starts no MPI job; ``"mpi"`` trains over real MPI parties, exactly
+    as ``vfl train --model mlp`` (:mod:`vfl.mlp_runtime`: Adam in float32, ``max_staleness`` not used,
+    the runtime's own asynchrony instead), and reads each party's trained network back.
 
     ``bottom`` is a spec string (``"*-64-16"``: the party's column count, hidden widths, the cut width
     k) or one per party; ``top`` runs from k to the logits (``"16-*"``; one width, e.g. ``"10"``, is an
@@ -280,7 +281,7 @@ class VerticalMLPClassifier(ClassifierMixin, BaseEstimator):
                  momentum: float = 0.0, batch_size: int = 64, epochs: int = 10, mode: str = "async",
                  max_staleness: int = 2, label_privacy: str = "none", epsilon: float | None = None,
                  delta: float = 1e-5, clip: float = 1.0, dtype: str = "float32", threads: int | None = 1,
-                 seed: int = 0, verbose: bool = False) -> None:
+                 seed: int = 0, verbose: bool = False, backend: str = "simulate") -> None:
         self.parties = parties
         self.bottom = bottom
         self.top = top
@@ -300,6 +301,7 @@ class VerticalMLPClassifier(ClassifierMixin, BaseEstimator):
         self.threads = threads
         self.seed = seed
         self.verbose = verbose
+        self.backend = backend
 
     def _blocks(self, n_features: int) -> list[np.ndarray]:
         from vertical.partition import blocks_from_columns, contiguous_blocks, random_blocks
@@ -329,7 +331,7 @@ class VerticalMLPClassifier(ClassifierMixin, BaseEstimator):
                                           seed=np.random.default_rng([self.seed, 2]))
 
     def fit(self, X, y):
-        """Train on ``(X, y)`` by simulated VFB² (one process; see the class docstring)."""
+        """Train on ``(X, y)``: simulated VFB² in one process, or real MPI parties (``backend``)."""
         from vertical.nn.networks import OptimizerSpec, build_split_network, torch_threads
         from vertical.nn.simulate import simulate
 
@@ -345,6 +347,11 @@ class VerticalMLPClassifier(ClassifierMixin, BaseEstimator):
         if X.shape[1] < self.parties:
             raise ValueError(f"X has {X.shape[1]} features: cannot give each of {self.parties} parties one")
         self.columns_ = self._blocks(X.shape[1])
+        self.n_features_in_ = X.shape[1]
+        if self.backend == "mpi":
+            return self._fit_over_mpi(X, labels)
+        if self.backend != "simulate":
+            raise ValueError(f"backend must be 'simulate' or 'mpi', got {self.backend!r}")
         spec = OptimizerSpec(self.optimizer, self.lr, self.momentum)
         self.bottoms_, self.top_ = build_split_network(X, self.columns_, self.bottom, self.top,
                                                        self.classes_.size, optimizer=spec, seed=self.seed,
@@ -361,9 +368,18 @@ class VerticalMLPClassifier(ClassifierMixin, BaseEstimator):
                               batch_size=self.batch_size, mode=self.mode, max_staleness=self.max_staleness,
                               seed=self.seed, protection=protection, evaluate=report)
         self.history_ = result.history
-        self.n_features_in_ = X.shape[1]
         self.noise_multiplier_ = None if protection is None else protection.noise_multiplier
         self.epsilon_ = None if protection is None else protection.epsilon(self.delta, int(self.epochs))
+        return self
+
+    def _fit_over_mpi(self, X, labels: np.ndarray):
+        from vfl.mlp_runtime import fit_over_mpi, refusal
+
+        if (why := refusal(self)) is not None:
+            raise ValueError(why)
+        with tempfile.TemporaryDirectory(prefix="vfl-mlp-fit-") as work:
+            for name, value in fit_over_mpi(self, X, labels, self.columns_, Path(work)).items():
+                setattr(self, name, value)
         return self
 
     def predict_proba(self, X) -> np.ndarray:

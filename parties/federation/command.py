@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar (leader)")
     p.add_argument("--audit", action="store_true",
                    help="record every message this party receives to audit-<rank>.npz in --folder")
+    from parties.serving.options import add_arguments as serving_options
+
+    serving_options(p)
     return p
 
 
@@ -62,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def checked(args: argparse.Namespace) -> tuple[Job, int, bytes]:
     """The job, this party's rank and private key, with every local check done; ConfigError otherwise."""
+    from parties.serving.options import refuse_without_serve
+
+    refuse_without_serve(args)  # --serve's own checks: parties.serving.organisation.checked_serving
     job = load_job(args.job)
     rank = job.rank_of(args.name)
     private = read_private_key(args.key, job, rank)

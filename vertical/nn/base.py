@@ -33,8 +33,10 @@ class PartyModel(ABC):
         """``h_l(x_i)`` for each training row in ``rows``: float64 ``(B, k)``."""
 
     @abstractmethod
-    def backward(self, rows: np.ndarray, theta: np.ndarray) -> None:
-        """One step of this party's parameters from the rows' ϑ, float64 ``(B, k)``."""
+    def backward(self, rows: np.ndarray, theta: np.ndarray, steps: int = 1) -> None:
+        """One step of this party's parameters from the rows' ϑ, float64 ``(B, k)``; ``steps`` > 1 takes
+        that many steps from this one gradient (a party catching up on queued messages:
+        ``parties/party_model.py``)."""
 
     @abstractmethod
     def embed(self, X) -> np.ndarray:

@@ -38,11 +38,13 @@ class LinearPartyModel(PartyModel):
     def forward(self, rows):
         return self.rule.products(self.w, np.ascontiguousarray(rows, dtype=np.int64))[:, None]
 
-    def backward(self, rows, theta):
+    def backward(self, rows, theta, steps=1):
         theta = np.asarray(theta, dtype=np.float64)
         if theta.shape != (np.size(rows), 1):
             raise ValueError(f"a linear party takes ϑ of shape (B, 1), got {theta.shape}")
-        self.rule.apply(self.w, np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(theta[:, 0]))
+        rows, theta = np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(theta[:, 0])
+        for _ in range(steps):
+            self.rule.apply(self.w, rows, theta)
 
     def weights(self) -> np.ndarray:
         """``w_l`` brought up to date (a barrier: no step may run meanwhile)."""

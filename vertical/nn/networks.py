@@ -195,9 +195,10 @@ class MLPBottom(PartyModel):
         out.backward(torch.as_tensor(theta / theta.shape[0], dtype=self.dtype))
         return {name: p.grad for name, p in self.net.named_parameters()}
 
-    def backward(self, rows, theta):
+    def backward(self, rows, theta, steps=1):
         self.gradients(rows, theta)
-        self.optimizer.step()
+        for _ in range(steps):
+            self.optimizer.step()
 
     def embed(self, X):
         if X.shape[1] != self.widths[0]:

@@ -96,3 +96,41 @@ class LabelProtection:
         theta = np.asarray(theta, dtype=np.float64)
         clipped = theta * self.scales(np.einsum("bk,bk->b", theta, theta), self.clip)[:, None]
         return clipped + self.noise(theta.shape, self.theta_std(top_has_parameters))
+
+
+@dataclass
+class RowNoise:
+    """``--theta-noise per-row``: one Gaussian draw per training row, added to every ϑ of that row for
+    the whole run. Only for a top without parameters (the identity), where ϑ_i = p_i − e_{y_i} (softmax)
+    or σ(z_i) − y_i (one logit), and p_i is computed from what the parties learnt from earlier releases.
+
+    Why one draw is enough: each release of row i is (a function of the earlier releases) − e_{y_i} + n_i.
+    A party that could compute that function, the worst case, learns from all of a run's releases of the
+    row exactly one sample of −e_{y_i} + n_i: a single Gaussian mechanism of sensitivity
+    ‖e_y − e_{y'}‖ = √2 (1 for one logit), so ε is that of one release, whatever the passes. Fresh noise
+    every pass (:class:`LabelProtection`) composes over the passes and must clip to 2C. At the same
+    attack AUC it puts far more noise into every step.
+
+    A top with parameters breaks the argument: its Jacobian changes between releases, so the
+    difference of two releases of a row would carry the label without noise. The launcher refuses that
+    combination (``parties/config.py``).
+    """
+
+    table: np.ndarray  # (n_rows, k): the noise of each row, kept by the label holder alone
+    std: float
+
+    @classmethod
+    def drawn(cls, n_rows: int, k: int, noise_multiplier: float, rng: np.random.Generator) -> RowNoise:
+        std = noise_multiplier * sensitivity_of_identity_top(k)
+        return cls(rng.normal(0.0, std, size=(n_rows, k)), std)
+
+    def release(self, theta: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """ϑ̃ of ``rows``: ϑ plus each row's own noise, unclipped (clipping would move a row's releases
+        by label-dependent amounts)."""
+        return np.asarray(theta, dtype=np.float64) + self.table[rows]
+
+
+def sensitivity_of_identity_top(k: int) -> float:
+    """How far one label moves a row's ϑ under an identity top: 1 with one logit (σ(z) − y, y ∈ {0, 1}),
+    √2 with k softmax logits (p − e_y)."""
+    return 1.0 if k == 1 else float(np.sqrt(2.0))

@@ -1,0 +1,286 @@
+"""``vfl party … --serve``: each organisation serves the run it trained, as its own process, and the
+endpoint recovers when a party that left comes back (issue 29).
+
+The organisations' folders hold a trained run as ``vfl party`` leaves it (``party.json``, the block,
+the leader's ``checkpoint.json``, a passive party's ``result.json``), written here with the project's
+own writers and known blocks, so that no training costs test time and the expected scores are
+Σ_l w_l·x_l computed here. Each organisation is started as a user starts it, and requests go through
+a real HTTP client (urllib).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parties.config import ConfigError
+from tests.conftest import REPO_ROOT
+from tests.test_federation import free_port, make_orgs, write_jobs
+
+ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+
+
+def trained_folder(org, seed: int) -> dict[int, float]:
+    """``org``'s folder as a finished ``vfl party`` run leaves it, with a block drawn from ``seed``;
+    returns this party's w_l·x_l of each of its ids."""
+    from parties.checkpoint import mark_complete, save_checkpoint
+    from parties.federation.command import write_record
+    from parties.federation.jobfile import load_job
+    from parties.loading import own_party_file, read_own_party
+
+    data = read_own_party(own_party_file(org.data, org.rank), org.rank == 0, "logistic")
+    w = np.random.default_rng(seed).normal(size=data.X_train.shape[1])
+    org.run.mkdir()
+    write_record(org.run, load_job(org.job), org.rank, os.urandom(16))
+    save_checkpoint(org.run, org.rank, w, 2.0, 0.1, 10)
+    if org.rank == 0:
+        mark_complete(org.run, 2.0)
+    else:
+        (org.run / "result.json").write_text(json.dumps({"outcome": "budget", "epochs": 2, "updates": 10,
+                                                         "train_time": 0.1}))
+    ids = np.concatenate([data.train_ids, data.test_ids])
+    z = np.concatenate([data.X_train @ w, data.X_test @ w])
+    return dict(zip(ids.tolist(), np.asarray(z).ravel().tolist(), strict=True))
+
+
+@pytest.fixture(scope="module")
+def organisations(tmp_path_factory):
+    """Three organisations' folders of one trained job, and the expected score of every id."""
+    from vfl.cli import main
+
+    base = tmp_path_factory.mktemp("served")
+    split = base / "split"
+    assert main(["split", "breast-cancer", "-n", "3", "-m", "1", "--out", str(split)]) == 0
+    orgs = make_orgs(base, split)
+    write_jobs(orgs, f"127.0.0.1:{free_port()}", **{o.name: {"standardize": "off"} for o in orgs})  # raw x
+    partials = [trained_folder(org, seed) for seed, org in enumerate(orgs)]
+    expected = {i: sum(p[i] for p in partials) for i in partials[0]}
+    return orgs, expected, split
+
+
+class Endpoint:
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+
+    def call(self, path: str, body: dict | None = None) -> tuple[int, dict]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    def wait_for(self, status: int, seconds: float) -> dict:
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                got, body = self.call("/health")
+            except (urllib.error.URLError, ConnectionError):
+                got, body = None, {}
+            if got == status or time.monotonic() > deadline:
+                assert got == status, f"/health answered {got} {body}, not {status}, within {seconds} s"
+                return body
+            time.sleep(0.1)
+
+
+def start(org, *more: str) -> subprocess.Popen:
+    return subprocess.Popen(org.command("--serve", "--join-timeout", "30", *more), cwd=REPO_ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.mpi
+def test_organisations_serve_and_a_party_that_returns_is_served_again(organisations):
+    orgs, expected, _ = organisations
+    endpoint = Endpoint(free_port())
+    procs = [start(orgs[0], "--http", endpoint.url.removeprefix("http://")), *map(start, orgs[1:])]
+    try:
+        health = endpoint.wait_for(200, 30)
+        assert health["parties"] == 3 and health["task"] == "binary"
+        ids = [int(i) for i in list(expected)[:5]] + [999_999]
+        status, body = endpoint.call("/score", {"ids": ids, "output": "score"})
+        assert status == 200
+        served = [r.get("score") for r in body["results"]]
+        assert np.allclose(served[:5], [expected[i] for i in ids[:5]], atol=1e-6, rtol=0)
+        assert "error" in body["results"][5]
+
+        procs[2].kill()  # clinic-c's `vfl party --serve` dies, and its federation process with it
+        procs[2].communicate()
+        down = endpoint.wait_for(503, 10)
+        assert "clinic-c" in down["error"], down
+        status, body = endpoint.call("/score", {"ids": ids})
+        assert status == 503 and "clinic-c" in body["error"], body
+
+        procs[2] = start(orgs[2])  # it comes back: a new federation, and the same scores
+        endpoint.wait_for(200, 30)
+        status, body = endpoint.call("/score", {"ids": ids, "output": "score"})
+        again = [r.get("score") for r in body["results"]]
+        assert status == 200 and again == pytest.approx([*served[:5], None])
+    finally:
+        procs[0].send_signal(signal.SIGTERM)
+        outputs = [ended(p) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(outputs)
+    assert "the leader stopped the service" in outputs[1]
+    assert "federation attempt 2" in outputs[1]  # bank-b joined again, saying so
+
+
+def ended(proc: subprocess.Popen) -> str:
+    """Its output once it has ended; killed (and its processes with it) if it has not within 30 s, so
+    that no passive party is left joining again after a failed test."""
+    try:
+        return proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()[0] + "\n(killed: it did not end within 30 s)"
+
+
+def serving_args(org, *more: str) -> Namespace:
+    from parties.federation.command import add_arguments
+
+    return add_arguments(__import__("argparse").ArgumentParser()).parse_args(
+        [str(org.job), "--as", org.name, "--key", str(org.key), "--data", str(org.data), "--folder",
+         str(org.run), *more])
+
+
+@pytest.mark.parametrize("rank, more, says", [
+    (1, ("--serve", "--resume"), "--resume is for training"),
+    (2, ("--serve", "--overwrite"), "--overwrite is for training"),
+    (0, ("--serve", "--http", "127.0.0.1:8080", "--audit"), "--audit is for training"),
+    (1, ("--serve", "--listen", "0.0.0.0:7700"), "--listen is for the leader (bank-a) only"),
+    (0, ("--serve", "--http", "127.0.0.1:0"), "--http: address must be"),
+    (1, ("--serve", "--http", "127.0.0.1:8080"), "--http is for the leader (bank-a) only"),
+    (0, ("--serve",), "needs --http HOST:PORT"),
+    (0, ("--serve", "--http", "127.0.0.1:8080", "--max-batch", "0"), "--max-batch must be in"),
+    (2, ("--window-ms", "2"), "--window-ms is for --serve"),
+])
+def test_a_serving_option_that_does_not_fit_is_refused_in_one_line(organisations, rank, more, says):
+    from parties.federation.command import checked
+    from parties.serving.organisation import checked_serving
+
+    org = organisations[0][rank]
+    args = serving_args(org, *more)
+    with pytest.raises(ConfigError) as refused:
+        checked_serving(args) if args.serve else checked(args)
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_folder_without_a_finished_run_is_refused_in_one_line(organisations, tmp_path):
+    from parties.serving.organisation import checked_serving
+
+    org = organisations[0][1]
+    args = serving_args(org, "--serve")
+    args.folder = str(tmp_path)
+    with pytest.raises(ConfigError, match="holds no run of bank-b"):
+        checked_serving(args)
+    bare = Path(tmp_path) / "unfinished"
+    bare.mkdir()
+    for name in ("party.json", "party-1.ckpt.npz"):
+        (bare / name).write_bytes((org.run / name).read_bytes())
+    args.folder = str(bare)
+    with pytest.raises(ConfigError, match=r"no result\.json"):
+        checked_serving(args)
+
+
+def test_the_local_link_refuses_a_frame_that_is_not_one():
+    from parties.serving import link
+
+    with pytest.raises(link.LinkError, match="unknown frame kind 9"):
+        link.check_header(link.frame(9)[:8], 64)
+    with pytest.raises(link.LinkError, match="with 72 bytes"):
+        link.check_header(link.frame(link.SCORE, bytes(72))[:8], 64)
+    with pytest.raises(link.LinkError, match="with 8 bytes"):
+        link.check_header(link.frame(link.STOP, bytes(8))[:8], 64)
+    with pytest.raises(link.LinkError, match="3 values answer a request of 2 ids"):
+        link.scores_of(np.zeros(3).tobytes(), 2)
+    with pytest.raises(link.LinkError, match="a request of 0 ids"):
+        link.ids_of(b"", 4)
+    z, held = link.scores_of(link.scores_frame(np.array([1.5, 7.0]), np.array([True, False]))[8:], 2)
+    assert z[0] == 1.5 and np.isnan(z[1]) and held.tolist() == [True, False]
+
+
+def supervisor_after(*frames: bytes):
+    """A front's :class:`Supervisor` after reading ``frames`` from a federation's process that then
+    ended; returns it and whether that federation served."""
+    import asyncio
+
+    from parties.serving.supervisor import Supervisor
+
+    serving = Namespace(job=Namespace(parties=[Namespace(name=n) for n in ("bank-a", "bank-b", "clinic-c")]),
+                        max_batch=4, peer_timeout=1.0)
+
+    async def read():
+        front = Supervisor(Namespace(name="bank-a"), serving, "unused")
+        reader = asyncio.StreamReader()
+        for data in frames:
+            reader.feed_data(data)
+        reader.feed_eof()
+        served = await front._read_link(reader)
+        front._lost("the leader's federation process ended (exit code 75)")
+        return front, served
+
+    return asyncio.run(read())
+
+
+def test_the_front_answers_503_naming_the_party_until_a_new_federation_is_ready():
+    from parties.serving import link
+
+    front, served = supervisor_after(link.frame(link.READY))
+    assert served and "exit code 75" in front.down  # a process that ended without a word
+    front, served = supervisor_after(link.frame(link.READY), link.line_frame(link.DOWN, "clinic-c left"))
+    assert served and front.down.startswith("clinic-c left; serving again once") and front.excluded is None
+    front, served = supervisor_after(link.line_frame(link.DOWN, "the join ended: clinic-c did not join"))
+    assert not served and "clinic-c did not join" in front.down
+
+
+def test_a_party_that_broke_the_protocol_stays_excluded():
+    from parties.serving import link
+
+    line = "clinic-c (party 2) broke the protocol (...): it is excluded until the leader's command restarts"
+    front, _ = supervisor_after(link.frame(link.READY), link.line_frame(link.EXCLUDED, line))
+    assert front.excluded == line and front.down == line
+
+
+def test_serving_reads_the_runs_scaling_and_label_draw_back_and_writes_nothing(organisations, tmp_path):
+    """Under ``standardize`` and ``label-privacy = "dp"`` the leader's folder holds the statistics and
+    the one randomized-response draw of training: serving scales with them and draws nothing again."""
+    from parties.federation.member import party_plan
+    from parties.loading import load_party
+    from parties.serving.organisation import checked_serving, serving_plan
+    from parties.serving.store import load_model
+
+    orgs = make_orgs(tmp_path, organisations[2])
+    write_jobs(orgs, f"127.0.0.1:{free_port()}",
+               **{o.name: {"standardize": "center", "label-privacy": "dp", "epsilon": 1.0} for o in orgs})
+    leader = orgs[0]
+    trained_folder(leader, 0)
+    training = serving_args(leader)
+    load_party(party_plan(load_job_of(leader), 0, training), 0)  # training's draw and statistics
+    before = {p.name: p.read_bytes() for p in leader.run.iterdir()}
+    assert {"standardize-0.npz", "label-dp-0.npz"} <= set(before)
+    args = serving_args(leader, "--serve", "--http", "127.0.0.1:8080")
+    serving = checked_serving(args)
+    model = load_model(serving_plan(serving, args), 0, serving.epochs)
+    assert {p.name: p.read_bytes() for p in leader.run.iterdir()} == before
+    train_rows = model.rows[model.lookup(np.asarray(load_party(serving_plan(serving, args), 0).train_ids))]
+    assert np.allclose(np.asarray(train_rows.mean(axis=0)).ravel(), 0, atol=1e-9)  # centred as in training
+
+
+def load_job_of(org):
+    from parties.federation.jobfile import load_job
+
+    return load_job(org.job)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
