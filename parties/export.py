@@ -1,4 +1,4 @@
-"""``vfl export``: each party writes its own part of a trained linear model, for use outside vfl.
+"""``vfl export``: each party writes its own part of a trained model, for use outside vfl.
 
 Nobody holds the whole model, so nobody can export it: party ``r`` exports only what it holds, from its
 own folder (``--party-dir``, by default the run folder): its block ``w_r`` of the complete epoch the
@@ -13,7 +13,8 @@ global column indices where known, else positions). Each part is two files in ``
 
 The score of a row is Σ_r w_r·((x_r − shift_r)/scale_r), the same sum ``vfl predict`` computes by secure
 aggregation; :func:`combined_scores` recombines parts held in one place (a test, or organisations that
-agree to pool their parts). Parts are read back as untrusted input, as checkpoints are
+agree to pool their parts). A network party's part (``--model mlp``) holds its network's layers
+instead of ``w`` (:mod:`parties.export_network`). Parts are read back as untrusted input, as checkpoints are
 (:mod:`parties.checkpoint`): a bounded manifest, array headers checked before any array is read.
 """
 
@@ -30,6 +31,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from parties.checkpoint import atomic_write, holds_network, load_checkpoint
+from parties.export_network import NetworkExport
 
 FORMAT = "vfl-party-export"
 VERSION = 1
@@ -61,6 +63,7 @@ class PartyExport:
     columns: np.ndarray | None = None
     feature_names: tuple[str, ...] | None = None
     id_column: str = ID_COLUMN
+    model = "linear"
 
     @property
     def n_features(self) -> int:
@@ -99,27 +102,37 @@ def export_party(run: str | Path, rank: int, out: str | Path, *, overwrite: bool
     if not overwrite and (json_path.exists() or npz_path.exists()):
         raise ValueError(f"{json_path} exists: pass --overwrite to replace party {rank}'s part")
     own = read_own_party(source.data, source.active, source.problem)
-    if holds_network(source.folder, rank):
-        raise ValueError(f"party {rank} trained a network (--model mlp): vfl export writes linear parts "
-                         "only for now; `vfl predict` scores a network run")
-    w = load_checkpoint(source.folder, rank, own.n_features, source.epochs).w
+    if holds_network(source.folder, rank) != (source.model == "mlp"):
+        raise ValueError(f"party {rank}'s checkpoint in {source.folder} is not of the run's --model "
+                         f"{source.model}")
     shift = scale = None
     if source.standardize != "off":
         digest = np.frombuffer(ids_digest(own.train_ids, np.zeros(0, dtype=np.int64)), dtype=np.uint8)
         scaling = read_scaling(source.scaling, own.n_features, source.standardize, digest)
         shift, scale = scaling.shift, scaling.scale
-    part = PartyExport(rank, source.parties, source.problem, source.epochs, w, source.standardize, shift,
-                       scale, None if own.columns is None else np.asarray(own.columns, dtype=np.int64),
-                       own.feature_names)
+    part: PartyExport | NetworkExport
+    if source.model == "mlp":
+        from parties.export_network import trained_part
+
+        part = trained_part(source, own, shift, scale)
+    else:
+        w = load_checkpoint(source.folder, rank, own.n_features, source.epochs).w
+        part = PartyExport(rank, source.parties, source.problem, source.epochs, w, source.standardize,
+                           shift, scale, None if own.columns is None else np.asarray(own.columns,
+                                                                                      dtype=np.int64),
+                           own.feature_names)
     write_part(part, out)
     return part
 
 
-def write_part(part: PartyExport, out: str | Path) -> tuple[Path, Path]:
+def write_part(part: PartyExport | NetworkExport, out: str | Path) -> tuple[Path, Path]:
     """The arrays file first, then the manifest naming its digest (each written whole or not at all)."""
+    from parties import export_network
+
     json_path, npz_path = part_paths(out, part.party)
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {"w": part.w}
+    network = isinstance(part, NetworkExport)
+    arrays = export_network.arrays(part) if network else {"w": part.w}
     if part.scale is not None:
         arrays |= {"shift": part.shift, "scale": part.scale}
     if part.columns is not None:
@@ -130,10 +143,12 @@ def write_part(part: PartyExport, out: str | Path) -> tuple[Path, Path]:
         arrays["feature_names"] = np.asarray(part.feature_names, dtype=np.str_)
     atomic_write(npz_path, lambda fh: np.savez(fh, **arrays))
     manifest = {"format": FORMAT, "version": VERSION, "party": part.party, "parties": part.parties,
-                "problem": part.problem, "link": part.link, "id_column": part.id_column,
+                "model": part.model, "problem": part.problem, "link": part.link, "id_column": part.id_column,
                 "n_features": part.n_features, "standardize": part.standardize, "epochs": part.epochs,
                 "schema": _schema(part), "arrays": npz_path.name,
                 "arrays_sha256": _digest(npz_path)}
+    if network:
+        manifest |= export_network.manifest_fields(part)
     text = (json.dumps(manifest, indent=1) + "\n").encode()
     atomic_write(json_path, lambda fh: fh.write(text))
     return json_path, npz_path
@@ -155,29 +170,41 @@ def _member_header(z: np.lib.npyio.NpzFile, key: str) -> tuple[tuple[int, ...], 
     return shape, dtype
 
 
-def _schema(part: PartyExport) -> str:
+def _schema(part: PartyExport | NetworkExport) -> str:
     """How the columns are named: by ``feature_names``, by global ``columns`` indices, or by position."""
     if part.feature_names is not None:
         return "names"
     return "columns" if part.columns is not None else "positions"
 
 
-def read_part(folder: str | Path, rank: int) -> PartyExport:
+def read_part(folder: str | Path, rank: int) -> PartyExport | NetworkExport:
     """Party ``rank``'s part from ``folder``, checked whole; any damage is one ``ValueError`` naming it."""
+    from parties import export_network
+
     json_path, npz_path = part_paths(folder, rank)
     manifest = _read_manifest(json_path, rank)
+    network = manifest.get("model", "linear") == export_network.MODEL
+    layers = None
+    if network:
+        try:
+            layers = export_network.expected_arrays(manifest)
+        except ValueError as exc:
+            raise ValueError(f"{json_path} is damaged ({exc})") from None
     try:
         digest = _digest(npz_path)
     except OSError as exc:
         raise ValueError(f"{npz_path}: cannot read the part's arrays ({exc.strerror})") from None
     if digest != manifest["arrays_sha256"]:
         raise ValueError(f"{npz_path} is not the arrays {json_path.name} names (its digest differs)")
-    arrays = _read_arrays(npz_path, manifest)
-    return PartyExport(rank, manifest["parties"], manifest["problem"], float(manifest["epochs"]),
-                       arrays["w"], manifest["standardize"], arrays.get("shift"), arrays.get("scale"),
-                       arrays.get("columns"),
-                       None if "feature_names" not in arrays else tuple(arrays["feature_names"].tolist()),
-                       manifest["id_column"])
+    arrays = _read_arrays(npz_path, manifest, layers)
+    common = {"party": rank, "parties": manifest["parties"], "problem": manifest["problem"],
+              "epochs": float(manifest["epochs"]), "standardize": manifest["standardize"],
+              "shift": arrays.get("shift"), "scale": arrays.get("scale"), "columns": arrays.get("columns"),
+              "feature_names": None if "feature_names" not in arrays
+              else tuple(arrays["feature_names"].tolist()), "id_column": manifest["id_column"]}
+    if network:
+        return export_network.from_arrays(manifest, arrays, common)
+    return PartyExport(w=arrays["w"], **common)
 
 
 def _read_manifest(path: Path, rank: int) -> dict:
@@ -196,8 +223,9 @@ def _read_manifest(path: Path, rank: int) -> dict:
     ok = (isinstance(m, dict) and m.get("format") == FORMAT and m.get("version") == VERSION
           and _count(m.get("parties"), 1, 2**16) and _count(m.get("party"), 0, 2**16)
           and m["party"] == rank < m["parties"]
+          and m.get("model", "linear") in ("linear", "mlp")
           and isinstance(m.get("problem"), str) and m["problem"] in LINKS
-          and m.get("link") == LINKS[m["problem"]]
+          and (m.get("model") == "mlp" or m.get("link") == LINKS[m["problem"]])
           and isinstance(m.get("id_column"), str) and _count(m.get("n_features"), 1, MAX_FEATURES)
           and m.get("standardize") in ("off", "on", "center")
           and isinstance(m.get("epochs"), int | float) and not isinstance(m.get("epochs"), bool)
@@ -214,10 +242,11 @@ def _count(value: object, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
-def _read_arrays(path: Path, manifest: dict) -> dict[str, np.ndarray]:
-    """The arrays the manifest announces, each header checked (shape (n,)) before the array is read."""
+def _read_arrays(path: Path, manifest: dict, layers: dict | None = None) -> dict[str, np.ndarray]:
+    """The arrays the manifest announces, each header checked (shape (n,), or a network's ``layers``:
+    name → (shape, dtype)) before the array is read."""
     n = manifest["n_features"]
-    wanted = {"w": "f"}
+    wanted = {"w": "f"} if layers is None else {}
     if manifest["standardize"] != "off":
         wanted |= {"shift": "f", "scale": "f"}
     optional = {"columns": "iu", "feature_names": "U"}
@@ -230,33 +259,49 @@ def _read_arrays(path: Path, manifest: dict) -> dict[str, np.ndarray]:
                     raise ValueError(f"{key} is not {n} entries")
                 if dtype.kind not in kinds or dtype.itemsize > 4 * MAX_NAME_CHARS:
                     raise ValueError(f"{key} has dtype {dtype}")
-            arrays = {key: z[key] for key in present}
+            for key, expected in (layers or {}).items():
+                if _member_header(z, key) != expected:
+                    raise ValueError(f"{key} is not of shape {expected[0]} and dtype {expected[1]}")
+            arrays = {key: z[key] for key in [*present, *(layers or {})]}
     except (OSError, KeyError, EOFError, ValueError) as exc:
         raise ValueError(f"{path} is damaged ({exc})") from None
-    for key in ("w", "shift", "scale"):
+    for key in ("w", "shift", "scale", *(layers or {})):
         if key in arrays and not np.isfinite(arrays[key]).all():
             raise ValueError(f"{path} is damaged: {key} holds NaN or infinite values")
     if "scale" in arrays and not (arrays["scale"] > 0).all():
         raise ValueError(f"{path} is damaged: a scale is not positive")
-    if {"names": "feature_names", "columns": "columns"}.get(manifest["schema"], "w") not in arrays:
+    named_by = {"names": "feature_names", "columns": "columns"}.get(manifest["schema"])
+    if named_by is not None and named_by not in arrays:  # "positions": the order of w or of the layers
         raise ValueError(f"{path} is damaged: the schema {manifest['schema']!r} has no array")
     return {k: v.astype(np.float64) if k in ("w", "shift", "scale") else v for k, v in arrays.items()}
 
 
-def read_parts(folder: str | Path) -> list[PartyExport]:
+def read_parts(folder: str | Path) -> list[PartyExport | NetworkExport]:
     """Every party's part from one folder (parts pooled in one place), checked to make one model: the
-    same q, problem and epoch, and a part for each rank 0..q-1."""
+    same q, model, problem and epoch (a network's: the same k), and a part for each rank 0..q-1."""
     first = read_part(folder, 0)
     parts = [first] + [read_part(folder, r) for r in range(1, first.parties)]
+
+    def kind(part) -> tuple:
+        return (part.parties, part.model, part.problem, part.epochs, getattr(part, "k", 1))
+
     for part in parts[1:]:
-        if (part.parties, part.problem, part.epochs) != (first.parties, first.problem, first.epochs):
-            raise ValueError(f"{folder}: party {part.party}'s part is of another model (q, problem or epoch "
-                             "differs from party 0's)")
+        if kind(part) != kind(first):
+            raise ValueError(f"{folder}: party {part.party}'s part is of another model (q, model, problem, "
+                             "epoch or k differs from party 0's)")
     return parts
 
 
-def combined_scores(parts: Sequence[PartyExport], blocks: Sequence) -> np.ndarray:
-    """Σ_r w_r·x_r over the parties' raw column blocks (rows aligned by id): the model's score w·x."""
+def combined_scores(parts: Sequence[PartyExport | NetworkExport], blocks: Sequence) -> np.ndarray:
+    """What ``vfl predict`` writes for the rows of the parties' raw column blocks (rows aligned by id):
+    Σ_r w_r·x_r, the score w·x; for network parts, the top's logit of the positive class (two classes)
+    or the class probabilities (n, C), :func:`parties.export_network.network_scores`."""
     if len(blocks) != len(parts):
         raise ValueError(f"{len(blocks)} column blocks for {len(parts)} parts")
+    if all(isinstance(part, NetworkExport) for part in parts):
+        from parties.export_network import network_scores
+
+        return network_scores(parts, blocks)
+    if any(isinstance(part, NetworkExport) for part in parts):
+        raise ValueError("network and linear parts do not make one model")
     return np.sum([part.partial_scores(X) for part, X in zip(parts, blocks, strict=True)], axis=0)

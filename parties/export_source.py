@@ -39,6 +39,10 @@ class PartySource:
     folder: Path
     scaling: Path
     epochs: float
+    #: the job's ``--model`` and, for ``mlp``, its ``--bottom``/``--top`` specs (every party's, as given)
+    model: str = "linear"
+    bottom: str | None = None
+    top: str | None = None
 
 
 def party_source(run: str | Path, rank: int, data: str | Path | None, problems) -> PartySource:
@@ -66,7 +70,7 @@ def _from_run(run: Path, rank: int, data, problems) -> PartySource:
         raise ValueError(f"{run}: the run names no party files, so party {rank}'s columns are unknown")
     return PartySource(rank, plan.parties, plan.problem, plan.standardize, rank < plan.active,
                        own_party_file(plan.party_files, rank), plan.party_folder(rank),
-                       scaling_path(plan, rank), complete_epochs(run))
+                       scaling_path(plan, rank), complete_epochs(run), plan.model, plan.bottom, plan.top)
 
 
 def _from_party_folder(folder: Path, rank: int, data, problems) -> PartySource:
@@ -88,9 +92,21 @@ def _from_party_folder(folder: Path, rank: int, data, problems) -> PartySource:
     if data is None:
         raise ValueError(f"{folder} is a `vfl party` folder, which does not record where the party's data "
                          "is: pass --data, the --data it was trained from (for its column schema)")
+    model, bottom, top = _network_options(folder, options)
     return PartySource(rank, len(table), problem, standardize, table[rank]["role"] == "active",
                        own_party_file(data, rank), folder, scaling_file(folder, rank),
-                       party_epochs(folder, rank))
+                       party_epochs(folder, rank), model, bottom, top)
+
+
+def _network_options(folder: Path, options: dict) -> tuple[str, str, str]:
+    """The job's ``model``, ``bottom`` and ``top`` (the training defaults where the job left them out)."""
+    from parties.config import DEFAULT_BOTTOM, DEFAULT_TOP, MODELS
+
+    chosen = (options.get("model", "linear"), options.get("bottom", DEFAULT_BOTTOM),
+              options.get("top", DEFAULT_TOP))
+    if chosen[0] not in MODELS or not all(isinstance(value, str) for value in chosen):
+        raise ValueError(f"{folder / PARTY_RECORD} is damaged (its job's model, bottom or top)")
+    return chosen
 
 
 def party_epochs(folder: Path, rank: int) -> float:

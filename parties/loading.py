@@ -23,8 +23,10 @@ from vertical.problems import get_problem
 from vertical.standardize import Scaling, apply_scaling, fit_scaling
 
 
-def load_party(config: JobPlan, rank: int) -> PartyState:
-    """This rank's PartyState: its block of the training/test features and, if active, the labels."""
+def load_party(config: JobPlan, rank: int, *, network: bool = True) -> PartyState:
+    """This rank's PartyState: its block of the training/test features and, if active, the labels;
+    ``--model mlp``: its network to train too, unless ``network`` is False (``vfl predict`` and ``vfl
+    serve`` load the trained one for inference, :func:`parties.party_model.run_network`)."""
     active = rank < config.active
     if config.party_files is None:
         raise ValueError("a rank reads only its own party file: the launcher writes them for a named "
@@ -58,7 +60,7 @@ def load_party(config: JobPlan, rank: int) -> PartyState:
         test_block=Block.from_matrix(X_test) if has_test else None,
         y_test=None if y_test is None or not has_test else np.asarray(y_test, dtype=np.float64),
         ids_digest=ids_digest(train_ids, test_ids), train_ids=train_ids, test_ids=test_ids)
-    if config.model != "linear":
+    if config.model != "linear" and network:
         from parties.party_model import attach_network
 
         attach_network(config, state, X_train)

@@ -191,6 +191,46 @@ def attach_network(config, party, X_train) -> None:
         raise ValueError(f"party {party.rank}: {err}") from None
 
 
+def load_trained_network(folder, rank: int, n_features: int, epochs: float, bottom: str, top: str,
+                         labels=None):
+    """Party ``rank``'s trained network for inference (a
+    :class:`~parties.party_model.NetworkPart`): rebuilt from its ``bottom`` spec (and, given the
+    leader's ``labels``, the top's, with as many classes as training saw:
+    :func:`attach_network`) and loaded from its checkpoint of ``epochs`` with every
+    name and shape checked, as ``vfl predict`` loads it. No optimiser is built (no step is taken)."""
+    from types import SimpleNamespace
+
+    from parties.checkpoint import load_checkpoint
+    from vertical.nn.networks import MLPBottom, MLPTop
+
+    network = MLPBottom(np.zeros((1, n_features)), bottom, optimizer=None)
+    head = None
+    if labels is not None:
+        seen = [as_classes(y) for y in labels if y is not None and np.size(y)]
+        head = MLPTop(top, max([2, *(int(y.max()) + 1 for y in seen)]), k=network.k, optimizer=None)
+    part = NetworkPart(SimpleNamespace(network=network, top=head, classes=None))
+    ckpt = load_checkpoint(folder, rank, n_features, epochs, part.state_shapes())
+    assert ckpt.network is not None
+    part.load_state({name: value for name, value in ckpt.network.items() if "/param/" in name})
+    return part
+
+
+def run_network(config, party, epochs: float) -> NetworkPart:
+    """``--model mlp``: the trained network of ``party`` (a rank's :func:`parties.loading.load_party`
+    with ``network=False``) in the run ``config``, the leader's with its top, on the torch threads the
+    launcher gave this rank (one by default beside the others): ``vfl predict`` and ``vfl serve``."""
+    import torch
+
+    from parties.model_options import bottom_specs
+    from parties.threads import configured
+
+    torch.set_num_threads(configured() or 1)
+    rank = party.rank
+    labels = None if party.y is None else (party.y, party.y_test)
+    return load_trained_network(config.party_folder(rank), rank, party.block.n_cols, epochs,
+                                bottom_specs(config.bottom, config.parties)[rank], config.top, labels)
+
+
 def as_classes(y: np.ndarray) -> np.ndarray:
     """Labels as a network's top takes them: ±1 (the binary encoding of the party files) as 0/1, class
     labels 0..C−1 (multiclass) as they are; anything else is one ``ValueError`` line."""

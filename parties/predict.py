@@ -69,7 +69,7 @@ def _party_rows(config: JobPlan, rank: int, split: str):
     """This party's feature block for the split, its sample ids, and (leader) the task."""
     from parties.loading import load_party
 
-    party = load_party(config, rank)
+    party = load_party(config, rank, network=False)  # a network is loaded trained: _network_scores
     block = party.block if split == "train" else party.test_block
     if block is None:
         raise ValueError(f"party {rank} holds no {split} rows")
@@ -94,7 +94,7 @@ def run_predict(run: Path, split: str, output: Path) -> None:
     channels = open_session(comm, config.sealing_keys(rank), use=b"predict")  # --secure-channels runs
     aggregator = SecureAggregator.over_mpi(comm, seed=config.seed, allow_leaky_q2=config.allow_two_parties,
                                            channels=None if channels is None else channels.passes)
-    if party.network is not None:
+    if config.model != "linear":
         z = _network_scores(aggregator, config, party, block, float(epochs[0]))
     else:
         w = load_checkpoint(config.party_folder(rank), rank, block.n_cols, float(epochs[0])).w
@@ -117,20 +117,24 @@ def run_predict(run: Path, split: str, output: Path) -> None:
 
 def _network_scores(aggregator, config: JobPlan, party, block, epochs: float) -> np.ndarray | None:
     """``--model mlp``: each party's trained network on its own rows, the embeddings summed by secure
-    aggregation (no party sees another's), and at the leader the top's logit of the positive class."""
-    from scipy.special import logit
+    aggregation (no party sees another's), and at the leader the top's logit of the positive class.
+    Each network is built for inference (:func:`parties.party_model.run_network`: no optimiser, whose
+    construction imports torch's compiler, seconds a rank)."""
+    from parties.party_model import run_network
 
-    from parties.party_model import NetworkPart
-
-    part = NetworkPart(party)
-    ckpt = load_checkpoint(config.party_folder(party.rank), party.rank, block.n_cols, epochs,
-                           part.state_shapes())
-    assert ckpt.network is not None
-    part.load_state(ckpt.network)
+    part = run_network(config, party, epochs)
     total = aggregator.sum(part.embed(block.to_csr()).ravel(), root=LEADER)
     if total is None:
         return None
-    proba = part.top.predict_proba(total.reshape(-1, part.k))
+    return network_outputs(part.top.predict_proba(total.reshape(-1, part.k)))
+
+
+def network_outputs(proba: np.ndarray) -> np.ndarray:
+    """What a network's top gives for its class probabilities ``proba`` (n, C): binary, the logit of
+    the positive class (the score); more classes, the probabilities themselves. ``vfl serve`` and
+    ``parties.export.combined_scores`` answer through it, so all three agree."""
+    from scipy.special import logit
+
     if proba.shape[1] > 2:
         return proba
     return logit(np.clip(proba[:, 1], 1e-300, 1 - 1e-16))

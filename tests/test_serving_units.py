@@ -224,3 +224,62 @@ def test_a_failed_batch_fails_each_of_its_requests():
         return outcome
 
     assert all(isinstance(r, RuntimeError) for r in asyncio.run(scenario()))
+
+
+def _network_party(rank: int, classes: int | None = None) -> PartyModel:
+    """A party holding ids 10, 20, 30 whose network embeds a row as (its sum, its first value) (k = 2);
+    with ``classes``, the leader's top: softmax over the logits (z_0, z_1, 0, ...)."""
+    from types import SimpleNamespace
+
+    rows = sp.csr_matrix(np.arange(6.0).reshape(3, 2) + rank)
+    ids = np.array([30, 10, 20])
+    order = np.argsort(ids)
+
+    def top(z):
+        logits = np.column_stack([z, np.zeros((len(z), classes - 2))])
+        e = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return e / e.sum(axis=1, keepdims=True)
+
+    network = SimpleNamespace(k=2, embed=lambda block: np.column_stack([block.sum(axis=1).A1,
+                                                                        block[:, 0].toarray().ravel()]),
+                              top=None if classes is None else SimpleNamespace(n_classes=classes,
+                                                                               predict_proba=top))
+    return PartyModel(rank, np.zeros(2), rows, ids[order], order, None if classes is None else "multiclass",
+                      network)
+
+
+def test_a_network_party_contributes_k_values_an_id_and_the_leader_applies_its_top():
+    """(k+1)·n values: each held id's embedding (k together, 0s for an id it lacks), then the held
+    flags; the leader's top turns the sum into class probabilities, none for an id some party lacks."""
+    from parties.serving.federation import batch_scores
+
+    leader, other = _network_party(0, classes=3), _network_party(1)
+    asked = np.array([20, 99, 30])
+    assert contribution(other, asked).tolist() == [11.0, 5.0, 0.0, 0.0, 3.0, 1.0, 1.0, 0.0, 1.0]
+    total = contribution(leader, asked) + contribution(other, asked)
+    scores = batch_scores(leader, total, asked.size, parties=2)
+    assert scores.held.tolist() == [True, False, True] and np.isnan(scores.probabilities[1]).all()
+    z = np.array([[9.0 + 11.0, 4.0 + 5.0], [1.0 + 3.0, 0.0 + 1.0]])  # ids 20 and 30, both parties
+    expected = np.exp(np.column_stack([z, [0.0, 0.0]]))
+    np.testing.assert_allclose(scores.probabilities[[0, 2]], expected / expected.sum(axis=1, keepdims=True))
+    outputs = parse_request(b'{"ids": [1]}', max_ids=8, task="multiclass")[1]
+    entries = answer(asked, scores.take(0, 3), outputs)
+    assert entries[1] == {"id": 99, "error": UNKNOWN_ID}
+    assert entries[0]["class"] == 0 and entries[0]["probabilities"] == pytest.approx(scores.probabilities[0])
+    assert set(entries[2]) == {"id", "class", "probabilities"}
+    for asked_for in ("score", "probability"):  # a multiclass network has neither
+        with pytest.raises(BadRequest, match=f"{asked_for!r} is not available for a multiclass model"):
+            parse_request(f'{{"ids": [1], "output": "{asked_for}"}}'.encode(), max_ids=8, task="multiclass")
+
+
+def test_a_network_round_too_wide_for_the_sum_is_refused_before_any_rank_starts():
+    from types import SimpleNamespace
+
+    from parties.serving.launch import MAX_SUM_VALUES, check_sum_width
+
+    run = SimpleNamespace(model="mlp", bottom="*-64-16", parties=3)
+    check_sum_width(run, MAX_SUM_VALUES // 17)
+    with pytest.raises(ValueError, match=r"k \+ 1 = 17 values a row.*--max-batch at most 123361") as err:
+        check_sum_width(run, MAX_SUM_VALUES // 17 + 1)
+    assert "\n" not in str(err.value)
+    check_sum_width(SimpleNamespace(model="linear"), 1 << 16)  # a linear round is 2 values a row

@@ -184,7 +184,7 @@ def test_an_asynchronous_network_job_with_per_party_networks_learns(tmp_path):
     assert result["outcome"] == "budget"
     _every_party_stepped_once_per_batch(tmp_path, parties=4)
     _predictions_score_as_evaluated(tmp_path, records[-1]["test_accuracy"])
-    _serve_and_export_refuse_a_network_run(tmp_path)
+    _served_and_exported_as_predicted(tmp_path)
     leak = _direction_attack(tmp_path, rank=3)
     assert leak["accuracy"] >= 0.95, leak  # unprotected: a passive party reads the labels off ϑ
 
@@ -233,18 +233,51 @@ def test_the_protected_mode_defeats_the_direction_attack_that_reads_an_unprotect
     assert not np.allclose(first[0][1], first[1][1])  # other noise
 
 
-def _serve_and_export_refuse_a_network_run(out: Path) -> None:
-    """``vfl serve`` and ``vfl export`` read linear blocks: on a network run each says so in one line
-    (an export of the zero ``w`` a network party keeps would be a silently wrong model), before any
-    rank starts (called in process: the command line turns the ``ValueError`` into its one line)."""
-    from parties.export import export_party
-    from parties.serving.launch import serve
+def _served_and_exported_as_predicted(out: Path) -> None:
+    """``vfl serve`` of the trained network run, asked over HTTP by a real client, and every party's
+    ``vfl export`` part, recombined, give ``vfl predict``'s outputs for the same rows (to the secure sum's
+    fixed point and float32 rounding); an unknown id and an output a binary network lacks get their
+    documented answers."""
+    import signal
 
-    with pytest.raises(ValueError, match="--model mlp") as served:
-        serve(out, port=0)
-    with pytest.raises(ValueError, match="--model mlp") as exported:
-        export_party(out, 1, out / "export")
-    assert "\n" not in str(served.value) + str(exported.value)
+    from parties.export import combined_scores, export_party, read_parts
+    from parties.serving.front import UNKNOWN_ID
+    from tests.test_serving import Service
+
+    table = np.genfromtxt(out / "predictions-test.csv", delimiter=",", names=True)
+    ids = table["id"].astype(np.int64).tolist()
+    served = Service(out)
+    try:
+        assert served.health()["task"] == "binary"
+        status, body = served.post({"ids": [*ids, 10**12]})
+        assert status == 200 and body["results"][-1] == {"id": 10**12, "error": UNKNOWN_ID}
+        results = body["results"][:-1]
+        assert [r["id"] for r in results] == ids
+        np.testing.assert_allclose([r["probability"] for r in results], table["probability"], atol=1e-6)
+        np.testing.assert_allclose([r["score"] for r in results], table["score"], atol=1e-5)
+        assert [r["class"] for r in results] == table["predicted_label"].astype(int).tolist()
+        status, body = served.post({"ids": ids[:1], "output": "probabilities"})
+        assert status == 400 and "not available for a binary model" in body["error"]
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.end() == 0
+    finally:
+        if served.proc.poll() is None:
+            served.proc.kill()
+    parts = [export_party(out, rank, out / "export") for rank in range(4)]
+    assert parts[0].top is not None and all(part.top is None for part in parts[1:])
+    z = combined_scores(read_parts(out / "export"), _raw_test_blocks(out))
+    np.testing.assert_allclose(z, table["score"], atol=1e-5)
+    np.testing.assert_allclose(1 / (1 + np.exp(-z)), table["probability"], atol=1e-6)
+
+
+def _raw_test_blocks(out: Path) -> list:
+    """Every party's test rows as its own file holds them (raw: an exported part scales its own)."""
+    from parties.loading import own_party_file, read_own_party
+    from parties.resume import load_run
+
+    plan = load_run(out)
+    return [read_own_party(own_party_file(plan.party_files, rank), rank == 0, plan.problem).X_test
+            for rank in range(plan.parties)]
 
 
 def _predictions_score_as_evaluated(out: Path, accuracy: float) -> None:
@@ -294,6 +327,39 @@ def test_a_network_job_classifies_image_strips_of_ten_classes(tmp_path):
     leader = load_party(JobPlan.from_json((out / "config.json").read_text()), 0)
     assert np.mean(table["predicted_label"] == leader.y_test) == pytest.approx(accuracy, abs=1e-12)
     assert np.all((table["probability"] > 0.1) & (table["probability"] <= 1))
+    _classes_served_and_exported_as_predicted(out, table)
+
+
+def _classes_served_and_exported_as_predicted(out: Path, table: np.ndarray) -> None:
+    """Ten classes, served and exported: each party's serving model (``load_model``, as a serving rank
+    loads it) contributes its embeddings of the asked ids, their sum (what the secure sum gives the
+    leader; the transport is the binary run's) goes through the leader's top, and the answer has
+    ``vfl predict``'s class with its probability, and every class's; the exported parts agree."""
+    from parties.checkpoint import complete_epochs
+    from parties.export import combined_scores, export_party, read_parts
+    from parties.resume import load_run
+    from parties.serving.federation import batch_scores, contribution
+    from parties.serving.front import BadRequest, answer, parse_outputs
+    from parties.serving.store import load_model
+
+    plan = load_run(out)
+    models = [load_model(plan, rank, complete_epochs(out)) for rank in range(plan.parties)]
+    assert models[0].task == "multiclass" and parse_outputs(None, "multiclass") == ("class", "probabilities")
+    with pytest.raises(BadRequest, match="'score' is not available for a multiclass model"):
+        parse_outputs("score", "multiclass")
+    ids = np.append(table["id"].astype(np.int64), 10**12)
+    total = np.sum([contribution(model, ids) for model in models], axis=0)
+    results = answer(ids, batch_scores(models[0], total, ids.size, plan.parties), ("class", "probabilities"))
+    predicted = table["predicted_label"].astype(int).tolist()
+    assert "error" in results[-1] and [r["class"] for r in results[:-1]] == predicted
+    chosen = [r["probabilities"][r["class"]] for r in results[:-1]]
+    np.testing.assert_allclose(chosen, table["probability"], atol=1e-6)
+    assert all(len(r["probabilities"]) == 10 for r in results[:-1])
+    for rank in range(plan.parties):
+        export_party(out, rank, out / "export")
+    proba = combined_scores(read_parts(out / "export"), _raw_test_blocks(out))
+    assert proba.shape == (len(table), 10) and np.argmax(proba, axis=1).tolist() == predicted
+    np.testing.assert_allclose(proba.max(axis=1), table["probability"], atol=1e-6)
 
 
 def test_a_checkpoint_of_another_network_or_planted_arrays_is_refused_before_it_is_read(tmp_path):

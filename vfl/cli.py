@@ -241,7 +241,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     part = export_party(args.run, args.party, args.out, overwrite=args.overwrite, data=args.data)
     json_path, npz_path = part_paths(args.out, args.party)
-    print(f"party {args.party}: wrote {json_path} and {npz_path} ({part.n_features:,} columns, "
+    network = f"network {'-'.join(map(str, part.widths))}, " if part.model == "mlp" else ""
+    print(f"party {args.party}: wrote {json_path} and {npz_path} ({part.n_features:,} columns, {network}"
           f"{part.problem}, --standardize {part.standardize}, epoch {part.epochs:g})")
     return 0
 

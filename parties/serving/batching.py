@@ -93,5 +93,5 @@ class MicroBatcher:
         for pending in batch:
             stop = start + pending.ids.size
             if not pending.future.done():  # its client may have gone away
-                pending.future.set_result(BatchScores(scores.z[start:stop], scores.held[start:stop]))
+                pending.future.set_result(scores.take(start, stop))
             start = stop

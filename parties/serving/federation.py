@@ -5,11 +5,13 @@ One scoring round for a batch of n ids (every party takes part, in this order):
 1. the leader sends the ids to every passive party (:mod:`parties.serving.wire`); each acknowledges
    at once, straight to the leader (the acknowledgement is what names a party that falls silent: the
    leader's event loop gives each round ``--peer-timeout`` seconds, :meth:`Federation.unacknowledged`);
-2. every party contributes ``2n`` values to one secure sum at the leader (the masked trees of
+2. every party contributes ``(k+1)·n`` values to one secure sum at the leader (the masked trees of
    :class:`protocols.secure_aggregation.SecureAggregator`, as in training and ``vfl predict``): its
-   ``w_l·x_i`` for the ids it holds (0 for the others), then 1 for each id it holds (0 otherwise);
-3. the leader gets ``z_i = w·x_i`` and, per id, *how many* parties hold it: an id held by fewer than
-   q parties gets a per-id "unknown" answer, never a score made without some party's features.
+   ``w_l·x_i`` (k = 1), or for a network run its embedding ``h_l(x_i)`` (k values), for the ids it
+   holds (0 for the others), then 1 for each id it holds (0 otherwise);
+3. the leader gets ``z_i = w·x_i`` (a network run: ``z_i = Σ_l h_l(x_i)``, to which it applies its
+   top, as ``vfl predict`` does) and, per id, *how many* parties hold it: an id held by fewer than q
+   parties gets a per-id "unknown" answer, never a score made without some party's features.
 
 So a passive party learns the ids asked for, nothing else; the leader learns the scores and how many
 parties hold each id, not which. The sums wait in MPI's blocking receives, as ``vfl predict``'s do (a
@@ -51,21 +53,53 @@ class PartyUnavailable(RuntimeError):
 
 @dataclass
 class BatchScores:
-    """The scores of one batch: ``z[k]`` where ``held[k]`` (every party holds that id), NaN elsewhere."""
+    """The scores of one batch: ``z[i]`` where ``held[i]`` (every party holds that id), NaN elsewhere;
+    a network of more than two classes has ``probabilities[i]`` (one per class) instead, ``z`` NaN."""
 
     z: np.ndarray
     held: np.ndarray
+    probabilities: np.ndarray | None = None
+
+    def take(self, start: int, stop: int) -> BatchScores:
+        """The scores of the rows ``start:stop`` (one request of a micro-batch)."""
+        proba = None if self.probabilities is None else self.probabilities[start:stop]
+        return BatchScores(self.z[start:stop], self.held[start:stop], proba)
 
 
 def contribution(model: PartyModel, ids: np.ndarray) -> np.ndarray:
-    """This party's ``2n`` values of a round: ``w_l·x_i`` where it holds id i (else 0), then 1/0 held."""
+    """This party's ``(k+1)·n`` values of a round: its k values of each id i it holds (``w_l·x_i``, or
+    the embedding ``h_l(x_i)``; 0 for an id it does not hold), each row's k together, then 1/0 held."""
     rows = model.lookup(ids)
     held = rows >= 0
-    values = np.zeros(2 * ids.size)
+    n, k = ids.size, model.k
+    values = np.zeros((k + 1) * n)
     if held.any():
-        values[:ids.size] = np.where(held, model.request_rows(rows) @ model.w, 0.0)
-    values[ids.size:] = held
+        embedded = np.zeros((n, k))
+        embedded[held] = model.embed(rows[held])
+        values[:n * k] = embedded.ravel()
+    values[n * k:] = held
     return values
+
+
+def batch_scores(model: PartyModel, total: np.ndarray, n: int, parties: int) -> BatchScores:
+    """The leader's answer from the secure sum ``total`` of a round of n ids: the scores of the ids
+    every party holds; a network run's top applied to their ``z`` as ``vfl predict`` applies it."""
+    k = model.k
+    held = np.rint(total[n * k:]) == parties
+    if model.network is None:
+        return BatchScores(np.where(held, total[:n], np.nan), held)
+    from parties.predict import network_outputs
+
+    z = np.full(n, np.nan)
+    if not held.any():
+        return BatchScores(z, held)
+    outputs = network_outputs(model.network.top.predict_proba(total[:n * k].reshape(n, k)[held]))
+    if outputs.ndim == 1:
+        z[held] = outputs
+        return BatchScores(z, held)
+    proba = np.full((n, outputs.shape[1]), np.nan)
+    proba[held] = outputs
+    return BatchScores(z, held, proba)
 
 
 class Federation:
@@ -95,9 +129,7 @@ class Federation:
         total = self.aggregator.sum(contribution(self.model, ids), root=wire.LEADER)
         self._collect(ids.size)
         MPI.Request.Waitall(sends)
-        n = ids.size
-        held = np.rint(total[n:]) == self.parties
-        return BatchScores(np.where(held, total[:n], np.nan), held)
+        return batch_scores(self.model, total, ids.size, self.parties)
 
     def _collect(self, n: int) -> None:
         """Every acknowledgement (all were sent before the sum completed), each checked."""

@@ -17,7 +17,10 @@ from aiohttp import web
 from parties.serving.batching import MicroBatcher
 from parties.serving.federation import BatchScores, PartyUnavailable
 
-OUTPUTS = ("score", "probability", "class")
+OUTPUTS = ("score", "probability", "class", "probabilities")
+#: the outputs each task has (the first three as ``vfl predict``'s CSV; a network of more than two
+#: classes: the predicted class 0..C−1 and every class's probability)
+TASK_OUTPUTS = {"binary": ("score", "probability", "class"), "multiclass": ("class", "probabilities")}
 #: the per-id answer for an id some party does not hold
 UNKNOWN_ID = "unknown id: not held by every party"
 _INT64 = (-(2**63), 2**63 - 1)
@@ -45,7 +48,7 @@ def parse_request(body: bytes, *, max_ids: int, task: str) -> tuple[np.ndarray, 
 
 def parse_outputs(output, task: str) -> tuple[str, ...]:
     """The outputs asked for: one name or a list of them; by default all the task has."""
-    available = OUTPUTS if task == "binary" else ("score",)
+    available = TASK_OUTPUTS.get(task, ("score",))
     if output is None:
         return available
     names = [output] if isinstance(output, str) else output
@@ -61,19 +64,38 @@ def parse_outputs(output, task: str) -> tuple[str, ...]:
 def answer(ids: np.ndarray, scores: BatchScores, outputs: tuple[str, ...]) -> list[dict]:
     """One entry per id, in the request's order."""
     entries = []
-    for i, z, held in zip(ids.tolist(), scores.z.tolist(), scores.held.tolist(), strict=True):
+    for at, (i, held) in enumerate(zip(ids.tolist(), scores.held.tolist(), strict=True)):
         if not held:
             entries.append({"id": i, "error": UNKNOWN_ID})
-            continue
-        entry: dict = {"id": i}
-        if "score" in outputs:
-            entry["score"] = z
-        if "probability" in outputs:
-            entry["probability"] = 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
-        if "class" in outputs:
-            entry["class"] = 1 if z >= 0 else -1
-        entries.append(entry)
+        elif scores.probabilities is not None:  # a network of more than two classes
+            entries.append({"id": i, **_classes(scores.probabilities[at], outputs)})
+        else:
+            entries.append({"id": i, **_binary(float(scores.z[at]), outputs)})
     return entries
+
+
+def _binary(z: float, outputs: tuple[str, ...]) -> dict:
+    """A score's answer: w·x (a network's logit), σ of it, and +1 where it is >= 0 (else −1), as
+    ``vfl predict`` writes them."""
+    entry: dict = {}
+    if "score" in outputs:
+        entry["score"] = z
+    if "probability" in outputs:
+        entry["probability"] = 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
+    if "class" in outputs:
+        entry["class"] = 1 if z >= 0 else -1
+    return entry
+
+
+def _classes(proba: np.ndarray, outputs: tuple[str, ...]) -> dict:
+    """A multiclass answer: the class ``vfl predict`` writes (the most probable, 0..C−1) and the list of
+    every class's probability."""
+    entry: dict = {}
+    if "class" in outputs:
+        entry["class"] = int(np.argmax(proba))
+    if "probabilities" in outputs:
+        entry["probabilities"] = proba.tolist()
+    return entry
 
 
 def _error(status: int, line: str) -> web.Response:

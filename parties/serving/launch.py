@@ -15,6 +15,9 @@ from pathlib import Path
 
 #: bounds of --max-batch: rows of one aggregation (and of one request)
 MAX_BATCH_LIMIT = 1 << 16
+#: the most values one round sums, (k+1)·B (a network run; a linear one sums 2·B): the receive
+#: buffers of the secure sum are sized for it (16 MiB of words)
+MAX_SUM_VALUES = 1 << 21
 
 
 def check_options(port: int, window_ms: float, max_batch: int, peer_timeout: float) -> None:
@@ -27,6 +30,20 @@ def check_options(port: int, window_ms: float, max_batch: int, peer_timeout: flo
         raise ValueError(f"--max-batch must be in 1..{MAX_BATCH_LIMIT}, got {max_batch}")
     if not peer_timeout > 0:
         raise ValueError(f"--peer-timeout must be positive, got {peer_timeout:g}")
+
+
+def check_sum_width(config, max_batch: int) -> None:
+    """A network run sums (k+1) values a row (its cut layer of k, and the held flag): one line when a
+    round of ``--max-batch`` rows would pass :data:`MAX_SUM_VALUES`."""
+    if config.model == "linear":
+        return
+    from parties.model_options import cut_width
+
+    k = cut_width(config.bottom, config.parties)
+    if (k + 1) * max_batch > MAX_SUM_VALUES:
+        raise ValueError(f"--max-batch {max_batch}: the run's networks contribute k + 1 = {k + 1} values a "
+                         f"row, and a round may sum at most {MAX_SUM_VALUES:,} values (--max-batch at most "
+                         f"{MAX_SUM_VALUES // (k + 1)})")
 
 
 def check_address(host: str, port: int) -> None:
@@ -55,9 +72,7 @@ def serve(run_dir: str | Path, *, port: int, host: str = "127.0.0.1", window_ms:
         raise FileNotFoundError(f"{run / 'config.json'} not found: pass the --out folder of a `vfl train` "
                                 "run")
     config = load_run(run)
-    if config.model != "linear":  # one line before any rank starts: the ranks load linear blocks
-        raise ValueError(f"{run} trained networks (--model mlp): vfl serve scores linear runs only for now; "
-                         "`vfl predict` scores a network run")
+    check_sum_width(config, max_batch)
     complete_epochs(run)
     if config.party_dir is None:
         missing = [r for r in range(config.parties) if not checkpoint_path(run, r).exists()]

@@ -1,9 +1,11 @@
-"""What a serving party holds: its trained block ``w_l`` and its own feature rows, keyed by id.
+"""What a serving party holds: its trained block ``w_l`` (or network) and its own feature rows, keyed by id.
 
 The rows are the party's file, train and test rows together (``vfl split``/``vfl align``'s ids, the
-run's id column), scaled as training scaled them (:func:`parties.loading.load_party`); the block is
-the run's newest complete epoch, read from the party's own folder as ``vfl predict`` reads it. Nothing
-here leaves the party: the leader only ever receives masked sums of ``w_l·x``.
+run's id column), scaled as training scaled them (:func:`parties.loading.load_party`); the model is
+the run's newest complete epoch, read from the party's own folder as ``vfl predict`` reads it: the
+linear block ``w_l``, or for a ``--model mlp`` run the party's trained bottom network (and, at the
+leader, the top). Nothing here leaves the party: the leader only ever receives masked sums of
+``w_l·x`` or of the embeddings ``h_l(x)``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,21 @@ class PartyModel:
     sorted_ids: np.ndarray  # the party's ids, sorted, for a vectorised lookup
     row_of_sorted: np.ndarray  # the row of each sorted id
     task: str | None
+    #: ``--model mlp``: the party's trained network (:class:`parties.party_model.NetworkPart`, with the
+    #: top at the leader); None for a linear block
+    network: object | None = None
+
+    @property
+    def k(self) -> int:
+        """Values a row contributes to the secure sum: the cut layer's width, 1 for a linear block."""
+        return 1 if self.network is None else int(self.network.k)
+
+    def embed(self, rows: np.ndarray) -> np.ndarray:
+        """This party's ``(len(rows), k)`` contribution of its ``rows`` (ids it holds)."""
+        block = self.rows[rows]
+        if self.network is None:
+            return np.asarray(block @ self.w, dtype=np.float64).reshape(-1, 1)
+        return self.network.embed(block)
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """The row of each id, −1 where this party does not hold it."""
@@ -47,7 +64,7 @@ def load_model(config: JobPlan, rank: int, epochs: float) -> PartyModel:
     from parties.checkpoint import load_checkpoint
     from parties.loading import load_party
 
-    party = load_party(config, rank)
+    party = load_party(config, rank, network=False)
     blocks = [party.block.to_csr()]
     ids = [np.asarray(party.train_ids, dtype=np.int64)]
     if party.test_block is not None:
@@ -56,6 +73,13 @@ def load_model(config: JobPlan, rank: int, epochs: float) -> PartyModel:
     rows = sp.csr_matrix(sp.vstack(blocks, format="csr"))
     all_ids = np.concatenate(ids)
     order = np.argsort(all_ids, kind="stable")
-    w = load_checkpoint(config.party_folder(rank), rank, party.block.n_cols, epochs).w
     task = party.problem.task if party.problem is not None else None
-    return PartyModel(rank, np.asarray(w, dtype=np.float64), rows, all_ids[order], order, task)
+    if config.model == "linear":
+        w = load_checkpoint(config.party_folder(rank), rank, party.block.n_cols, epochs).w
+        return PartyModel(rank, np.asarray(w, dtype=np.float64), rows, all_ids[order], order, task)
+    from parties.party_model import run_network
+
+    network = run_network(config, party, epochs)
+    if network.top is not None and network.top.n_classes > 2:
+        task = "multiclass"
+    return PartyModel(rank, np.zeros(party.block.n_cols), rows, all_ids[order], order, task, network)

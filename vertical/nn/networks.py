@@ -150,9 +150,10 @@ def _load_parameter_state(net: nn.Module, state: dict[str, np.ndarray], what: st
 
 class MLPBottom(PartyModel):
     """A party's MLP on its own training block ``X`` (dense; a CSR block above :data:`DENSE_BYTES` is
-    kept sparse and densified per batch)."""
+    kept sparse and densified per batch). ``optimizer=None`` builds a model for inference only (no
+    step): a torch optimiser's first construction imports torch's compiler, seconds in every process."""
 
-    def __init__(self, X, spec: str, *, optimizer: OptimizerSpec = DEFAULT_OPTIMIZER, seed: int = 0,
+    def __init__(self, X, spec: str, *, optimizer: OptimizerSpec | None = DEFAULT_OPTIMIZER, seed: int = 0,
                  dtype: str = "float32") -> None:
         if X.ndim != 2 or X.shape[0] < 1:
             raise ValueError(f"a party's block must be a non-empty 2-D array, got shape {X.shape}")
@@ -163,7 +164,7 @@ class MLPBottom(PartyModel):
         self.n_rows = int(X.shape[0])
         self.dtype = dtype_of(dtype)
         self.net = mlp(self.widths, seed=seed, dtype=self.dtype)
-        self.optimizer = optimizer.build(list(self.net.parameters()))
+        self.optimizer = None if optimizer is None else optimizer.build(list(self.net.parameters()))
         # a sparse block is densified once when it is small: indexing CSR rows costs more than the layer
         self._sparse = sp.issparse(X) and X.shape[0] * X.shape[1] * self.dtype.itemsize > DENSE_BYTES
         if self._sparse:
@@ -220,10 +221,12 @@ class MLPBottom(PartyModel):
 
 class MLPTop(TopModel):
     """The top network on ``z`` (width k) and the loss: logistic on one logit for 2 classes, softmax
-    cross-entropy for more. ``spec`` runs from k to the number of logits (``*`` for it)."""
+    cross-entropy for more. ``spec`` runs from k to the number of logits (``*`` for it); ``optimizer=None``:
+    for inference only, as :class:`MLPBottom`."""
 
     def __init__(self, spec: str, n_classes: int, *, k: int | None = None,
-                 optimizer: OptimizerSpec = DEFAULT_OPTIMIZER, seed: int = 0, dtype: str = "float32") -> None:
+                 optimizer: OptimizerSpec | None = DEFAULT_OPTIMIZER, seed: int = 0,
+                 dtype: str = "float32") -> None:
         if n_classes < 2:
             raise ValueError(f"a classifier needs at least 2 classes, got {n_classes}")
         self.n_classes = int(n_classes)
@@ -233,7 +236,7 @@ class MLPTop(TopModel):
         self.dtype = dtype_of(dtype)
         self.net = mlp(self.widths, input_activation=True, seed=seed, dtype=self.dtype)
         params = list(self.net.parameters())
-        self.optimizer = optimizer.build(params) if params else None
+        self.optimizer = optimizer.build(params) if params and optimizer is not None else None
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         if self.binary:
