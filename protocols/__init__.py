@@ -10,11 +10,27 @@ See ``docs/secure-aggregation.md``. ``protocols.compression`` (horizontal FL cod
 and is imported on its own.
 """
 
-from protocols.aggregation import AggregationNode
-from protocols.errors import ProtocolError, ProtocolViolation
-from protocols.masking import AggregationOverflowError, FixedPointRing, PrecisionWarning, RealValued
-from protocols.secure_aggregation import SecureAggregator, secure_inner_product, secure_sum
-from protocols.trees import InsecureTreePairError, TreePair, build_all_tree_pairs
+import importlib
+
+#: each public name and the module that defines it: imported on first use (PEP 562), so a process that
+#: needs only ``protocols.errors`` (a rank's exit path) does not load SciPy with the aggregation
+_HOMES = {
+    "AggregationNode": "protocols.aggregation",
+    "ProtocolError": "protocols.errors", "ProtocolViolation": "protocols.errors",
+    "AggregationOverflowError": "protocols.masking", "FixedPointRing": "protocols.masking",
+    "PrecisionWarning": "protocols.masking", "RealValued": "protocols.masking",
+    "SecureAggregator": "protocols.secure_aggregation",
+    "secure_inner_product": "protocols.secure_aggregation", "secure_sum": "protocols.secure_aggregation",
+    "InsecureTreePairError": "protocols.trees", "TreePair": "protocols.trees",
+    "build_all_tree_pairs": "protocols.trees",
+}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'protocols' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
+
 
 __all__ = [
     "AggregationNode",

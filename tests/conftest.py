@@ -39,3 +39,20 @@ def run_mpi(n: int, args: list[str], *, timeout: float = 120.0, env: dict[str, s
         pytest.fail(f"mpiexec failed with code {proc.returncode}\nstdout:\n{proc.stdout}\n"
                     f"stderr:\n{proc.stderr}")
     return proc
+
+
+@pytest.fixture(scope="session")
+def ou_key():
+    """One OU 2048-bit key pair for every module that needs one (each generation takes 1-2 s, more on a
+    loaded machine); the tests only encrypt and decrypt with it, none changes it."""
+    from protocols import label_he
+
+    return label_he.LabelKey("ou", 2048)
+
+
+@pytest.fixture(scope="session")
+def paillier_2048_key():
+    """One Paillier 2048-bit key pair, shared like :func:`ou_key`."""
+    from protocols import label_he
+
+    return label_he.LabelKey("paillier", 2048)

@@ -22,9 +22,9 @@ B = 16
 
 
 @pytest.fixture(scope="module")
-def parties():
+def parties(ou_key):
     """The dominator's OU key, and a passive party's side for it (sender of its key: party 0)."""
-    key = label_he.LabelKey("ou", 2048)
+    key = ou_key
     X = sp.random(40, 5, density=0.5, random_state=0, format="csr")
     X.data = np.random.default_rng(0).integers(1, 4, X.nnz).astype(float)
     passive = label_he.BlockGradient(0, key.public_bytes(), block=Block.from_matrix(X), scheme="ou",

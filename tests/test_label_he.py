@@ -1,8 +1,9 @@
 """``--label-privacy he``: exact within the fixed point, refused where a batch gradient would give ϑ
 away, the same training as plain mini-batch SGD, and a passive party's transcript holds no ϑ.
 
-One key pair for the unit tests (OU key generation takes 1-10 s on a loaded machine); the MPI tests
-share one HE job in sync mode, compared with plain mini-batch SGD on the same rows in one process.
+One key pair per scheme for the unit tests, shared by every HE test module (tests/conftest.py: OU key
+generation takes 1-10 s on a loaded machine); the MPI tests share one HE job in sync mode, compared
+with plain mini-batch SGD on the same rows in one process.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from vertical.problems import get_problem
 
 
 @pytest.fixture(scope="module")
-def key():
-    return label_he.LabelKey("ou", 2048)
+def key(ou_key):
+    return ou_key
 
 
 def _block(rng, integral: bool) -> Block:
@@ -79,8 +80,8 @@ def test_round_trip_is_exact_within_the_fixed_point_resolution(key, integral):
 
 
 @pytest.fixture(scope="module")
-def paillier_key():
-    return label_he.LabelKey("paillier", 2048)
+def paillier_key(paillier_2048_key):
+    return paillier_2048_key
 
 
 @pytest.mark.parametrize("scheme", ["ou", "paillier"])
@@ -321,8 +322,8 @@ def test_noisy_thetas_add_a_noise_drawn_without_looking_at_theta_on_the_fixed_po
 
 
 B, EPOCHS = 16, 1
-#: The SVRG job: two outer loops (a snapshot at the start of each half epoch).
-SVRG_EVAL_EVERY = 0.5
+#: The SVRG job: half an epoch in two outer loops (a snapshot at the start of each quarter epoch).
+SVRG_EPOCHS, SVRG_EVAL_EVERY = 0.5, 0.25
 
 
 @pytest.fixture(scope="module")
@@ -353,7 +354,7 @@ def plain_mini_batch_sgd(out) -> list[np.ndarray]:
 def he_svrg_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("he-svrg")
     train(out, "-n", "3", "-m", "1", "--algorithm", "svrg", "--mode", "sync", "-B", str(B), "--epochs",
-          str(EPOCHS), "--eval-every", str(SVRG_EVAL_EVERY), "--snapshot-every", str(SVRG_EVAL_EVERY),
+          str(SVRG_EPOCHS), "--eval-every", str(SVRG_EVAL_EVERY), "--snapshot-every", str(SVRG_EVAL_EVERY),
           "--label-privacy", "he", "--audit", *CANCER)
     return out
 
@@ -367,7 +368,7 @@ def plain_mini_batch_svrg(out) -> list[np.ndarray]:
     gamma = float(CANCER[CANCER.index("--gamma") + 1])
     ws = [np.zeros(p.X_train.shape[1]) for p in parties]
     rng = np.random.default_rng([0, 0])
-    for _ in range(round(EPOCHS / SVRG_EVAL_EVERY)):
+    for _ in range(round(SVRG_EPOCHS / SVRG_EVAL_EVERY)):
         theta0 = problem.theta(sum(p.X_train @ w for p, w in zip(parties, ws, strict=True)), y)
         mus = [p.X_train.T @ theta0 / n for p in parties]
         for rows in rng.integers(0, n, size=(math.ceil(SVRG_EVAL_EVERY * n / B), B)):
@@ -389,7 +390,7 @@ def test_he_svrg_equals_plain_mini_batch_svrg_and_passive_parties_get_only_mu(he
     for passive in (1, 2):
         t = Transcript.load(he_svrg_run / f"audit-{passive}.npz")
         assert not t.of_tag(TAG_THETA) and not t.of_tag(AUDIT_FULL_THETA)
-        assert len(t.of_tag(AUDIT_HE_FULL_GRADIENT)) == round(EPOCHS / SVRG_EVAL_EVERY)
+        assert len(t.of_tag(AUDIT_HE_FULL_GRADIENT)) == round(SVRG_EPOCHS / SVRG_EVAL_EVERY) == 2
         X = load_party_file(find_party_file(he_svrg_run / "parties", passive), expect_labels=False).X_train
         found = attack_all(he_svrg_run / f"audit-{passive}.npz", load("breast-cancer", seed=0).y_train, X)
         assert found["theta_sign"]["coverage"] == found["full_theta"]["coverage"] == 0.0
@@ -467,12 +468,13 @@ def noiseless_replay(out, batch: int, gamma: float) -> list[np.ndarray]:
 
 @pytest.mark.mpi
 def test_with_epsilon_every_party_steps_with_the_noisy_thetas_at_a_huge_epsilon(tmp_path):
-    """--epsilon at a huge ε (σ ≈ 0.013 on each ϑ): every block is plain mini-batch SGD on the pass
-    batches up to that noise (the other test shows the active block takes it too)."""
-    batch = 64
+    """--epsilon at a huge ε (σ ≈ 0.01 on each ϑ): every block is plain mini-batch SGD on the pass
+    batches up to that noise (the other test shows the active block takes it too). One epoch of 8
+    batches at twice the usual step moves the blocks as far as two epochs do (HE batches are slow)."""
+    batch, gamma = 64, 0.04
     train(tmp_path, "-n", "3", "-m", "1", "--algorithm", "sgd", "--mode", "sync", "-B", str(batch),
-          "--epochs", "2", "--label-privacy", "he", "--epsilon", "1e4", *CANCER)
-    ws = noiseless_replay(tmp_path, batch, float(CANCER[CANCER.index("--gamma") + 1]))
+          "--epochs", "1", "--label-privacy", "he", "--epsilon", "1e4", *CANCER[:-2], "--gamma", str(gamma))
+    ws = noiseless_replay(tmp_path, batch, gamma)
     assert 0.005 < json.loads((tmp_path / "config.json").read_text())["noise_multiplier"] < 0.05
     for rank in range(3):
         he = np.load(tmp_path / f"party-{rank}.ckpt.npz")["w"]

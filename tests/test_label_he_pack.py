@@ -23,8 +23,8 @@ B = 256
 
 
 @pytest.fixture(scope="module")
-def key():
-    return label_he.LabelKey("ou", 2048)
+def key(ou_key):
+    return ou_key
 
 
 def _block(rng, integral: bool, cols: int = 31) -> Block:
@@ -165,17 +165,26 @@ def test_he_pack_is_refused_where_it_would_void_a_guarantee_and_meets_the_other_
         resolve(RunConfig(**{**base, "label_privacy": "dp", "epsilon": 1.0}))
 
 
+HALF_EPOCH = ["-n", "3", "-m", "1", "--algorithm", "sgd", "--mode", "sync", "-B", "32", "--epochs", "0.5",
+              "--label-privacy", "he", *CANCER]
+
+
+@pytest.fixture(scope="module")
+def packed_run(tmp_path_factory):
+    """One packed half epoch serves two tests: its blocks as trained (kept aside, so the resume test may
+    run first) for the comparison with an unpacked run, and its folder for ``--resume``."""
+    out = tmp_path_factory.mktemp("packed")
+    train(out, *HALF_EPOCH, "--he-pack")
+    return out, [np.load(out / f"party-{rank}.ckpt.npz")["w"] for rank in range(3)]
+
+
 @pytest.mark.mpi
-def test_a_packed_job_trains_the_same_model_as_an_unpacked_one(tmp_path):
+def test_a_packed_job_trains_the_same_model_as_an_unpacked_one(packed_run, tmp_path):
     """breast-cancer, OU, sync mode, one seed: packing changes only how the masked sums travel, so every
     block is the same to the last bit the fixed point keeps."""
-    args = ["-n", "3", "-m", "1", "--algorithm", "sgd", "--mode", "sync", "-B", "32", "--epochs", "0.5",
-            "--label-privacy", "he", *CANCER]
-    train(tmp_path / "plain", *args)
-    train(tmp_path / "packed", *args, "--he-pack")
-    for rank in range(3):
+    train(tmp_path / "plain", *HALF_EPOCH)
+    for rank, packed in enumerate(packed_run[1]):
         plain = np.load(tmp_path / "plain" / f"party-{rank}.ckpt.npz")["w"]
-        packed = np.load(tmp_path / "packed" / f"party-{rank}.ckpt.npz")["w"]
         assert np.max(np.abs(plain)) > 0.01
         assert np.max(np.abs(packed - plain)) < 1e-12, rank
 
@@ -216,12 +225,10 @@ def test_the_pack_benchmark_tables_every_job_with_its_load(tmp_path):
 
 
 @pytest.mark.mpi
-def test_a_packed_run_resumes_packed(tmp_path):
+def test_a_packed_run_resumes_packed(packed_run):
     """--he-pack is part of the run's plan: --resume keeps it without being told."""
-    args = ["-n", "3", "-m", "1", "--algorithm", "sgd", "--mode", "sync", "-B", "32", "--label-privacy", "he",
-            *CANCER]
-    train(tmp_path, *args, "--epochs", "0.5", "--he-pack")
-    train(tmp_path, "--resume", "--epochs", "1")
-    result = json.loads((tmp_path / "result.json").read_text())
+    out = packed_run[0]
+    train(out, "--resume", "--epochs", "1")
+    result = json.loads((out / "result.json").read_text())
     assert result["epochs"] == 1.0 and result["outcome"] == "budget"
-    assert json.loads((tmp_path / "config.json").read_text())["he_pack"] is True
+    assert json.loads((out / "config.json").read_text())["he_pack"] is True

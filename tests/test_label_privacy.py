@@ -49,31 +49,40 @@ def test_randomized_response_refuses_what_it_cannot_protect():
             validate(RunConfig(**{**base, **bad}))
 
 
+@pytest.fixture(scope="module")
+def dp_run_resumed(tmp_path_factory):
+    """SVRG at ε = 1, one epoch, then ``--resume`` to two: each passive party's transcript of the first
+    run is kept aside (``before-resume-<rank>.npz``) before the second writes its own. One job pair
+    serves the attack test (both runs' transcripts) and the same-noisy-labels test."""
+    out = tmp_path_factory.mktemp("dp-resumed")
+    common = ("-n", "3", "-m", "1", "--algorithm", "svrg", "--audit", "--dataset", "breast-cancer",
+              "--lam", "0.01", "--label-privacy", "dp", "--epsilon", "1")
+    train(out, *common, "--epochs", "1")
+    for passive in (1, 2):
+        (out / f"audit-{passive}.npz").rename(out / f"before-resume-{passive}.npz")
+    train(out, *common, "--epochs", "2", "--resume")
+    return out
+
+
 @pytest.mark.mpi
-def test_a_passive_party_learns_no_more_than_randomized_response_allows(tmp_path):
+def test_a_passive_party_learns_no_more_than_randomized_response_allows(dp_run_resumed):
     epsilon = 1.0
-    train(tmp_path, "-n", "3", "-m", "1", "--algorithm", "svrg", "--epochs", "2", "--audit", "--dataset",
-          "breast-cancer", "--lam", "0.01", "--label-privacy", "dp", "--epsilon", str(epsilon))
     y = load("breast-cancer", seed=0).y_train
     bound = 1 - flip_probability(epsilon)  # 0.73: the best guess of a label from its noisy copy
     for passive in (1, 2):
-        for attack, found in attack_all(tmp_path / f"audit-{passive}.npz", y).items():
-            assert found["accuracy"] < bound + 4 * math.sqrt(bound * (1 - bound) / y.size), attack
+        for name in (f"before-resume-{passive}.npz", f"audit-{passive}.npz"):  # epoch 1, then epoch 2
+            for attack, found in attack_all(dp_run_resumed / name, y).items():
+                assert found["accuracy"] < bound + 4 * math.sqrt(bound * (1 - bound) / y.size), (name, attack)
 
 
 @pytest.mark.mpi
-def test_a_resumed_run_releases_the_same_noisy_labels_not_a_second_draw(tmp_path):
+def test_a_resumed_run_releases_the_same_noisy_labels_not_a_second_draw(dp_run_resumed):
     """The curious passive party reads every row's noisy label from the SVRG snapshot's full ϑ (for the
     logistic loss, sign ϑ_i = −ỹ_i whatever the model). Across a --resume it must read the same labels:
     a second draw would give it two noisy copies of each (the 2ε level; 61 % of rows agree at ε = 1)."""
-    common = ("-n", "3", "-m", "1", "--algorithm", "svrg", "--audit", "--dataset", "breast-cancer",
-              "--lam", "0.01", "--label-privacy", "dp", "--epsilon", "1")
-    train(tmp_path, *common, "--epochs", "1")
-    (tmp_path / "audit-1.npz").rename(tmp_path / "before-resume.npz")
-    train(tmp_path, *common, "--epochs", "2", "--resume")
     n = load("breast-cancer", seed=0).n_train
-    before = np.sign(full_theta(Transcript.load(tmp_path / "before-resume.npz"), n))
-    after = np.sign(full_theta(Transcript.load(tmp_path / "audit-1.npz"), n))
+    before = np.sign(full_theta(Transcript.load(dp_run_resumed / "before-resume-1.npz"), n))
+    after = np.sign(full_theta(Transcript.load(dp_run_resumed / "audit-1.npz"), n))
     assert np.isin(before, (-1, 1)).all() and np.isin(after, (-1, 1)).all()
     assert np.mean(before == after) == 1.0
 

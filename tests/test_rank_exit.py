@@ -32,3 +32,18 @@ def test_thirty_jobs_that_leave_with_exit_now_all_exit_zero(tmp_path):
     assert not failed, f"{len(failed)} of 30 finished jobs did not exit 0: {failed[0]}"
     wrong = [p.stdout for p in codes if "".join(p.stdout.split()) != "333"]
     assert not wrong, f"a rank did not report the sum of 3 (lines may interleave): {wrong[0]!r}"
+
+
+def test_a_ranks_exit_path_loads_no_scipy():
+    """``parties.lifecycle`` reaches ``protocols`` only for its errors: ``protocols/__init__.py`` loads
+    its public names on first use, so the thirty jobs above start ranks without SciPy (half their
+    start-up)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    code = "import sys, parties.lifecycle, protocols; print(sorted(m for m in sys.modules if m == 'scipy'))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                          check=True, env={"PYTHONPATH": str(REPO_ROOT), "PATH": ""})
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr

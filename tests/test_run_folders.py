@@ -20,16 +20,20 @@ from vertical.algorithms.registry import ALGORITHMS
 
 @pytest.mark.mpi
 def test_the_quickstart_job_gets_its_own_folder_and_the_documented_defaults(tmp_path):
+    """The quickstart as written, then a second (one-epoch) job: each gets its own folder, latest is the
+    newest, and the quickstart ran with the documented defaults."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    for _ in range(2):
-        proc = subprocess.run([str(REPO_ROOT / "mpirun.sh"), "--no-progress"], cwd=tmp_path, env=env,
+    for extra in ([], ["--epochs", "1"]):
+        proc = subprocess.run([str(REPO_ROOT / "mpirun.sh"), "--no-progress", *extra], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=240, check=False)
         assert proc.returncode == 0, proc.stderr
     runs = sorted(p for p in (tmp_path / "runs").iterdir() if not p.is_symlink())
     assert len(runs) == 2 and all(p.name.endswith("breast-cancer") for p in runs)
     assert (tmp_path / "runs" / "latest").resolve() == runs[-1].resolve()
-    used = json.loads((runs[-1] / "config.json").read_text())
-    assert (used["lam"], used["gamma"]) == (RunConfig().lam, RunConfig().gamma)
+    assert json.loads((runs[-1] / "config.json").read_text())["epochs"] == 1
+    used = json.loads((runs[0] / "config.json").read_text())
+    assert (used["lam"], used["gamma"], used["epochs"]) == (RunConfig().lam, RunConfig().gamma,
+                                                            RunConfig().epochs)
 
 
 def test_options_do_not_change_the_defaults_of_other_options():

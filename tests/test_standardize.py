@@ -115,8 +115,9 @@ def vfl(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def _split(folder: Path, parties: int, active: int) -> Path:
-    source = write_unscaled_libsvm(folder / "unscaled.libsvm")
+def _split(folder: Path, parties: int, active: int, rows: int = 1500) -> Path:
+    """The generated file's ``rows`` (default: enough for 300 columns to train past 70 %), split."""
+    source = write_unscaled_libsvm(folder / "unscaled.libsvm", rows=rows)
     proc = vfl("split", str(source), "-n", str(parties), "-m", str(active), "--task", "binary",
                "--n-features", "300", "--out", str(folder / "parties"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -247,8 +248,8 @@ def test_predict_scores_rows_with_the_scaling_training_used(unscaled_4_2, tmp_pa
 
 
 @pytest.mark.mpi
-def test_center_under_label_dp_resumes_and_predicts_with_the_same_statistics(tmp_path):
-    files = _split(tmp_path / "data", 3, 1)
+def test_center_under_label_dp_resumes_and_predicts_with_the_same_statistics(small_files, tmp_path):
+    files = small_files
     run = tmp_path / "run"
     options = ["--party-files", str(files), "-n", "3", "-m", "1", "--label-privacy", "dp", "--epsilon", "8",
                "--standardize", "center", "-B", "8"]
@@ -263,10 +264,12 @@ def test_center_under_label_dp_resumes_and_predicts_with_the_same_statistics(tmp
     assert resumed["record"]["loss"] < np.log(2)
 
 
-def _small_split(tmp_path: Path) -> Path:
-    """600 rows of 45 columns on scales 1 to 10⁴, split for q = 3, m = 1."""
-    source = write_unscaled_libsvm(tmp_path / "small.libsvm", rows=600, columns=45)
-    files = tmp_path / "parties"
+@pytest.fixture(scope="module")
+def small_files(tmp_path_factory) -> Path:
+    """600 rows of 45 columns on scales 1 to 10⁴, split for q = 3, m = 1 (read only, so shared)."""
+    folder = tmp_path_factory.mktemp("small")
+    source = write_unscaled_libsvm(folder / "small.libsvm", rows=600, columns=45)
+    files = folder / "parties"
     proc = vfl("split", str(source), "-n", "3", "-m", "1", "--task", "binary", "--n-features", "45",
                "--out", str(files))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -306,11 +309,11 @@ def _plain_minibatch_sgd(blocks: list, y: np.ndarray, gamma: float, lam: float, 
 
 
 @pytest.mark.mpi
-def test_under_he_each_party_steps_from_its_own_scaled_block(tmp_path):
+def test_under_he_each_party_steps_from_its_own_scaled_block(small_files, tmp_path):
     """``--label-privacy he`` in sync mode takes exactly plain mini-batch SGD's steps (as
     ``tests/test_label_he.py`` shows on breast-cancer, whose scaling is 1): here on features of scales 1
     to 10⁴, so the passive parties' encrypted gradients must come from their scaled blocks."""
-    files = _small_split(tmp_path)
+    files = small_files
     run, batch, lam = tmp_path / "run", 32, 0.1
     result = _train(run, "--party-files", str(files), "-n", "3", "-m", "1", "--algorithm", "sgd", "--mode",
                     "sync", "-B", str(batch), "--epochs", "0.5", "--label-privacy", "he", "--lam", str(lam))
@@ -319,10 +322,10 @@ def test_under_he_each_party_steps_from_its_own_scaled_block(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["sync", "sync-global"])
-def test_center_in_lock_step_takes_mini_batch_sgds_steps_on_the_centred_blocks(tmp_path, mode):
+def test_center_in_lock_step_takes_mini_batch_sgds_steps_on_the_centred_blocks(small_files, tmp_path, mode):
     """The lock-step modes with ``--standardize center`` (a sparse block made dense, shifted and
     scaled) take exactly plain mini-batch SGD's steps on each party's centred block."""
-    files = _small_split(tmp_path)
+    files = small_files
     run, batch, lam = tmp_path / "run", 32, 0.1
     result = _train(run, "--party-files", str(files), "-n", "3", "-m", "1", "--algorithm", "sgd", "--mode",
                     mode, "-B", str(batch), "--epochs", "0.5", "--standardize", "center", "--lam", str(lam))
@@ -330,21 +333,21 @@ def test_center_in_lock_step_takes_mini_batch_sgds_steps_on_the_centred_blocks(t
 
 
 @pytest.mark.mpi
-def test_center_in_lock_step_resumes_to_the_model_of_an_uninterrupted_run(tmp_path):
+def test_center_in_lock_step_resumes_to_the_model_of_an_uninterrupted_run(small_files, tmp_path):
     """In lock step with one dominator a run takes the same steps run after run (to the secure sum's
     rounding; with two, the order in which a party applies the two steps of a round varies, and with
     the L2 decay it matters): with ``--standardize center`` and B = 16, 1 epoch then ``--resume`` to 2
     ends at the weights of 2 epochs straight, so the resumed parties scale their blocks as before and
     the dominator draws the rows the uninterrupted run drew (its sampler is kept in its checkpoint;
     without it the resumed run drew epoch 1's rows again and ended 0.1 away)."""
-    options = ["--party-files", str(_split(tmp_path / "data", 4, 1)), "-n", "4", "-m", "1", "--mode", "sync",
+    options = ["--party-files", str(small_files), "-n", "3", "-m", "1", "--mode", "sync",
                "--algorithm", "sgd", "--standardize", "center", "-B", "16"]
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     whole = _train(straight, *options, "--epochs", "2")
     _train(cut, *options, "--epochs", "1")
     resumed = _train(cut, "--resume", "--epochs", "2")
     assert resumed["epochs"] == whole["epochs"] == 2
-    for rank in range(4):
+    for rank in range(3):
         with np.load(straight / f"party-{rank}.ckpt.npz") as a, np.load(cut / f"party-{rank}.ckpt.npz") as b:
             assert np.max(np.abs(a["w"])) > 1e-3
             np.testing.assert_allclose(b["w"], a["w"], rtol=0, atol=1e-6, err_msg=f"party {rank}")
