@@ -57,9 +57,6 @@ def checked_serving(args: argparse.Namespace) -> Serving:
         raise ConfigError("--serve is for vertical jobs: a horizontal job's model is the server's alone")
     if flags:
         raise ConfigError(f"{flags[0]} is for training: --serve reads the run in --folder, changes nothing")
-    if getattr(job.options, "model", "linear") != "linear":
-        raise ConfigError("--serve scores linear runs only for now (this job trains networks; "
-                          "`vfl serve RUN` serves a network run under one mpiexec)")
     if not args.join_timeout > 0:
         raise ConfigError(f"--join-timeout must be positive (got {args.join_timeout:g})")
     if (args.listen is not None or given["http"] is not None) and rank != 0:
