@@ -282,11 +282,11 @@ def load_job_of(org):
     return load_job(org.job)
 
 
-def trained_network_folder(org):
+def trained_network_folder(org, classes: int):
     """``org``'s folder as a finished ``vfl party`` run of a network job leaves it: a seeded network of
-    the job's ``bottom`` (and the leader's two-class top), saved with the project's checkpoint writer;
-    returns that part and the party's rows (train then test) with their ids, for the expected answers.
-    Built without an optimiser, as serving builds it (an optimiser's import alone takes seconds)."""
+    the job's ``bottom`` (and the leader's top of ``classes`` classes), saved with the project's
+    checkpoint writer; returns that part and the party's rows (train then test) with their ids, for the
+    expected answers. Built without an optimiser, as serving builds it (its import takes seconds)."""
     from types import SimpleNamespace
 
     import scipy.sparse as sp
@@ -302,7 +302,7 @@ def trained_network_folder(org):
     party = load_party(party_plan(load_job_of(org), org.rank, serving_args(org)), org.rank, network=False)
     write_record(org.run, load_job_of(org), org.rank, os.urandom(16))
     bottom = MLPBottom(np.zeros((1, party.block.n_cols)), "*-6-3", optimizer=None, seed=org.rank)
-    top = MLPTop("*-*", 2, k=3, optimizer=None, seed=3) if org.rank == 0 else None
+    top = MLPTop("*-*", classes, k=3, optimizer=None, seed=3) if org.rank == 0 else None
     part = NetworkPart(SimpleNamespace(network=bottom, top=top, classes=None))
     save_checkpoint(org.run, org.rank, np.zeros(party.block.n_cols), 2.0, 0.1, 10, network=part.state())
     if org.rank == 0:
@@ -320,17 +320,32 @@ def rows_of(own_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return order[np.searchsorted(own_ids, ids, sorter=order)]
 
 
-@pytest.fixture(scope="module")
-def network_organisations(organisations, tmp_path_factory):
+def three_class_split(split: Path, to: Path) -> Path:
+    """``split`` with the leader's labels made three classes (0, 1, 2 by id), as a multiclass split."""
+    import shutil
+
+    shutil.copytree(split, to)
+    for path in (to / "manifest.json", to / "party-0" / "party.json"):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "task": "multiclass"}))
+    for part in ("train", "test"):
+        ids = np.load(to / "party-0" / part / "ids.npy")
+        np.save(to / "party-0" / part / "y.npy", (ids % 3).astype(np.float64))
+    return to
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["two-classes", "three-classes"])
+def network_organisations(request, organisations, tmp_path_factory):
     """Three organisations' folders of one trained network job (``model = "mlp"``), the leader's ids,
     and what ``vfl predict`` answers for them (:func:`parties.predict.network_outputs` of the top on
-    Σ_l h_l(x_l), from the networks as they were saved)."""
+    Σ_l h_l(x_l), from the networks as they were saved): a logit, or three classes' probabilities."""
     from parties.predict import network_outputs
 
-    orgs = make_orgs(tmp_path_factory.mktemp("served-mlp"), organisations[2])
+    base = tmp_path_factory.mktemp("served-mlp")
+    split = organisations[2] if request.param == 2 else three_class_split(organisations[2], base / "split")
+    orgs = make_orgs(base, split)
     write_jobs(orgs, f"127.0.0.1:{free_port()}",
                **{o.name: {"standardize": "off", "model": "mlp", "bottom": "*-6-3"} for o in orgs})
-    parts = [trained_network_folder(org) for org in orgs]
+    parts = [trained_network_folder(org, request.param) for org in orgs]
     ids = parts[0][2]
     z = sum(part.embed(rows[rows_of(own_ids, ids)]) for part, rows, own_ids in parts)
     return orgs, ids, network_outputs(parts[0][0].top.predict_proba(z))
@@ -349,14 +364,17 @@ def test_each_organisation_serves_its_own_network_and_the_sum_answers_as_vfl_pre
         args = serving_args(org, "--serve", *(("--http", "127.0.0.1:8080") if org.rank == 0 else ()))
         serving = checked_serving(args)  # a network job is served, no longer refused
         models.append(load_model(serving_plan(serving, args), org.rank, serving.epochs))
-    assert [m.k for m in models] == [3, 3, 3] and models[0].classes == 1 and models[0].task == "binary"
+    three = expected.ndim == 2  # a network of three classes answers their probabilities
+    assert [m.k for m in models] == [3, 3, 3]
+    assert (models[0].classes, models[0].task) == ((3, "multiclass") if three else (1, "binary"))
     assert models[1].network.top is None  # a passive party has its bottom network only
     asked = np.concatenate([ids[:40], [999_999]])
     total = sum(contribution(m, asked) for m in models)  # (k+1)·n values: what the aggregator is sized for
     assert total.size == (3 + 1) * asked.size
     scores = batch_scores(models[0], total, asked.size, len(models))
-    assert np.allclose(scores.z[:40], expected[:40], atol=1e-6, rtol=0)
-    assert scores.held.tolist() == [True] * 40 + [False] and np.isnan(scores.z[40])
+    served = scores.probabilities if three else scores.z
+    assert np.allclose(served[:40], expected[:40], atol=1e-6, rtol=0) and np.isnan(served[40]).all()
+    assert scores.held.tolist() == [True] * 40 + [False]
 
 
 def test_a_vfl_party_folder_of_a_network_run_exports_parts_that_score_as_vfl_predict(network_organisations,
