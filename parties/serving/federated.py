@@ -158,7 +158,7 @@ class Federated:
         service = comm.Dup()
         aggregator = SecureAggregator.over_mpi(comm, seed=self.plan.seed,
                                                allow_leaky_q2=self.plan.allow_two_parties,
-                                               max_batch=(self.model.k + 1) * self.serving.max_batch,
+                                               max_batch=self.model.round_values(self.serving.max_batch),
                                                channels=None if channels is None else channels.passes)
         return service, aggregator, channels
 

@@ -37,6 +37,11 @@ class PartyModel:
         """Values a row contributes to the secure sum: the cut layer's width, 1 for a linear block."""
         return 1 if self.network is None else int(self.network.k)
 
+    def round_values(self, n: int) -> int:
+        """Values this party adds to the secure sum of a round of n ids: (k+1)·n (its k per id, then 1/0
+        held); the aggregator is sized for a round of ``--max-batch`` ids from it."""
+        return (self.k + 1) * n
+
     @property
     def classes(self) -> int:
         """C of the leader's answers: its top's class count when over two, else 1 (one score an id)."""
