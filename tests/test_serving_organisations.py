@@ -377,6 +377,15 @@ def test_each_organisation_serves_its_own_network_and_the_sum_answers_as_vfl_pre
     assert scores.held.tolist() == [True] * 40 + [False]
 
 
+def test_a_network_job_whose_round_would_sum_too_many_values_is_refused_in_one_line(organisations, tmp_path):
+    from parties.serving.organisation import checked_serving
+
+    orgs = make_orgs(tmp_path, organisations[2])
+    write_jobs(orgs, f"127.0.0.1:{free_port()}", **{o.name: {"model": "mlp", "bottom": "*-40"} for o in orgs})
+    with pytest.raises(ConfigError, match=r"k \+ 1 = 41 values a row.*--max-batch at most 51150"):
+        checked_serving(serving_args(orgs[0], "--serve", "--http", "127.0.0.1:8080", "--max-batch", "65536"))
+
+
 def test_a_vfl_party_folder_of_a_network_run_exports_parts_that_score_as_vfl_predict(network_organisations,
                                                                                      tmp_path):
     import scipy.sparse as sp

@@ -45,7 +45,7 @@ def checked_serving(args: argparse.Namespace) -> Serving:
     """Every local check of a serving party; ConfigError (one line) otherwise."""
     from parties.federation.command import read_private_key
     from parties.federation.jobfile import load_job, split_address
-    from parties.serving.launch import check_options
+    from parties.serving.launch import check_options, check_sum_width
 
     job = load_job(args.job)
     rank = job.rank_of(args.name)
@@ -71,6 +71,7 @@ def checked_serving(args: argparse.Namespace) -> Serving:
     try:
         check_options(http[1] if http else 0, values["window_ms"], values["max_batch"],
                       values["peer_timeout"])
+        check_sum_width(job.options, values["max_batch"])  # a network job's (k+1) values a row
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if not Path(args.data).exists():
