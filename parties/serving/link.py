@@ -27,7 +27,7 @@ KINDS = (READY, SCORE, SCORES, DOWN, EXCLUDED, STOP, CLASSES)
 #: a line (DOWN, EXCLUDED) is at most this many bytes
 LINE_BYTES = 4096
 #: the most classes a served model may have (a READY that says more is refused)
-MAX_CLASSES = 1 << 12
+MAX_CLASSES = 1 << 10
 _HEADER = struct.Struct("<II")
 _CLASS_COUNT = struct.Struct("<I")
 
