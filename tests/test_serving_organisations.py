@@ -235,9 +235,9 @@ def supervisor_after(*frames: bytes):
 def test_the_front_answers_503_naming_the_party_until_a_new_federation_is_ready():
     from parties.serving import link
 
-    front, served = supervisor_after(link.frame(link.READY))
+    front, served = supervisor_after(link.ready_frame(1))
     assert served and "exit code 75" in front.down  # a process that ended without a word
-    front, served = supervisor_after(link.frame(link.READY), link.line_frame(link.DOWN, "clinic-c left"))
+    front, served = supervisor_after(link.ready_frame(1), link.line_frame(link.DOWN, "clinic-c left"))
     assert served and front.down.startswith("clinic-c left; serving again once") and front.excluded is None
     front, served = supervisor_after(link.line_frame(link.DOWN, "the join ended: clinic-c did not join"))
     assert not served and "clinic-c did not join" in front.down
@@ -247,7 +247,7 @@ def test_a_party_that_broke_the_protocol_stays_excluded():
     from parties.serving import link
 
     line = "clinic-c (party 2) broke the protocol (...): it is excluded until the leader's command restarts"
-    front, _ = supervisor_after(link.frame(link.READY), link.line_frame(link.EXCLUDED, line))
+    front, _ = supervisor_after(link.ready_frame(1), link.line_frame(link.EXCLUDED, line))
     assert front.excluded == line and front.down == line
 
 
@@ -280,6 +280,180 @@ def load_job_of(org):
     from parties.federation.jobfile import load_job
 
     return load_job(org.job)
+
+
+def trained_network_folder(org, classes: int):
+    """``org``'s folder as a finished ``vfl party`` run of a network job leaves it: a seeded network of
+    the job's ``bottom`` (and the leader's top of ``classes`` classes), saved with the project's
+    checkpoint writer; returns that part and the party's rows (train then test) with their ids, for the
+    expected answers. Built without an optimiser, as serving builds it (its import takes seconds)."""
+    from types import SimpleNamespace
+
+    import scipy.sparse as sp
+
+    from parties.checkpoint import mark_complete, save_checkpoint
+    from parties.federation.command import write_record
+    from parties.federation.member import party_plan
+    from parties.loading import load_party
+    from parties.party_model import NetworkPart
+    from vertical.nn.networks import MLPBottom, MLPTop
+
+    org.run.mkdir()
+    party = load_party(party_plan(load_job_of(org), org.rank, serving_args(org)), org.rank, network=False)
+    write_record(org.run, load_job_of(org), org.rank, os.urandom(16))
+    bottom = MLPBottom(np.zeros((1, party.block.n_cols)), "*-6-3", optimizer=None, seed=org.rank)
+    top = MLPTop("*-*", classes, k=3, optimizer=None, seed=3) if org.rank == 0 else None
+    part = NetworkPart(SimpleNamespace(network=bottom, top=top, classes=None))
+    save_checkpoint(org.run, org.rank, np.zeros(party.block.n_cols), 2.0, 0.1, 10, network=part.state())
+    if org.rank == 0:
+        mark_complete(org.run, 2.0)
+    else:
+        (org.run / "result.json").write_text(json.dumps({"outcome": "budget", "epochs": 2, "updates": 10,
+                                                         "train_time": 0.1}))
+    rows = sp.vstack([party.block.to_csr(), party.test_block.to_csr()], format="csr")
+    return part, rows, np.concatenate([party.train_ids, party.test_ids]).astype(np.int64)
+
+
+def rows_of(own_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The row of each of ``ids`` among a party's ``own_ids`` (all held)."""
+    order = np.argsort(own_ids)
+    return order[np.searchsorted(own_ids, ids, sorter=order)]
+
+
+def three_class_split(split: Path, to: Path) -> Path:
+    """``split`` with the leader's labels made three classes (0, 1, 2 by id), as a multiclass split."""
+    import shutil
+
+    shutil.copytree(split, to)
+    for path in (to / "manifest.json", to / "party-0" / "party.json"):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "task": "multiclass"}))
+    for part in ("train", "test"):
+        ids = np.load(to / "party-0" / part / "ids.npy")
+        np.save(to / "party-0" / part / "y.npy", (ids % 3).astype(np.float64))
+    return to
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["two-classes", "three-classes"])
+def network_organisations(request, organisations, tmp_path_factory):
+    """Three organisations' folders of one trained network job (``model = "mlp"``), the leader's ids,
+    and what ``vfl predict`` answers for them (:func:`parties.predict.network_outputs` of the top on
+    Σ_l h_l(x_l), from the networks as they were saved): a logit, or three classes' probabilities."""
+    from parties.predict import network_outputs
+
+    base = tmp_path_factory.mktemp("served-mlp")
+    split = organisations[2] if request.param == 2 else three_class_split(organisations[2], base / "split")
+    orgs = make_orgs(base, split)
+    write_jobs(orgs, f"127.0.0.1:{free_port()}",
+               **{o.name: {"standardize": "off", "model": "mlp", "bottom": "*-6-3"} for o in orgs})
+    parts = [trained_network_folder(org, request.param) for org in orgs]
+    ids = parts[0][2]
+    z = sum(part.embed(rows[rows_of(own_ids, ids)]) for part, rows, own_ids in parts)
+    return orgs, ids, network_outputs(parts[0][0].top.predict_proba(z))
+
+
+def test_each_organisation_serves_its_own_network_and_the_sum_answers_as_vfl_predict(network_organisations):
+    """Each organisation's federation process loads its own network from its own folder (the job
+    file's model and bottom); the secure sum of their contributions answers as ``vfl predict``."""
+    from parties.serving.federation import batch_scores, contribution
+    from parties.serving.organisation import checked_serving, serving_plan
+    from parties.serving.store import load_model
+
+    orgs, ids, expected = network_organisations
+    models = []
+    for org in orgs:
+        args = serving_args(org, "--serve", *(("--http", "127.0.0.1:8080") if org.rank == 0 else ()))
+        serving = checked_serving(args)  # a network job is served, no longer refused
+        models.append(load_model(serving_plan(serving, args), org.rank, serving.epochs))
+    three = expected.ndim == 2  # a network of three classes answers their probabilities
+    assert [m.k for m in models] == [3, 3, 3]
+    assert (models[0].classes, models[0].task) == ((3, "multiclass") if three else (1, "binary"))
+    assert models[1].network.top is None  # a passive party has its bottom network only
+    asked = np.concatenate([ids[:40], [999_999]])
+    total = sum(contribution(m, asked) for m in models)  # (k+1)·n values: what the aggregator is sized for
+    assert total.size == models[0].round_values(asked.size) == (3 + 1) * asked.size
+    scores = batch_scores(models[0], total, asked.size, len(models))
+    served = scores.probabilities if three else scores.z
+    assert np.allclose(served[:40], expected[:40], atol=1e-6, rtol=0) and np.isnan(served[40]).all()
+    assert scores.held.tolist() == [True] * 40 + [False]
+
+
+def test_a_network_job_whose_round_would_sum_too_many_values_is_refused_in_one_line(organisations, tmp_path):
+    from parties.serving.organisation import checked_serving
+
+    orgs = make_orgs(tmp_path, organisations[2])
+    write_jobs(orgs, f"127.0.0.1:{free_port()}", **{o.name: {"model": "mlp", "bottom": "*-40"} for o in orgs})
+    with pytest.raises(ConfigError, match=r"k \+ 1 = 41 values a row.*--max-batch at most 51150"):
+        checked_serving(serving_args(orgs[0], "--serve", "--http", "127.0.0.1:8080", "--max-batch", "65536"))
+
+
+def test_a_vfl_party_folder_of_a_network_run_exports_parts_that_score_as_vfl_predict(network_organisations,
+                                                                                     tmp_path):
+    import scipy.sparse as sp
+
+    from parties.export import combined_scores, read_parts
+    from parties.loading import own_party_file, read_own_party
+    from vfl.cli import main
+
+    orgs, ids, expected = network_organisations
+    for org in orgs:
+        assert main(["export", str(org.run), "--party", str(org.rank), "--data", str(org.data),
+                     "--out", str(tmp_path)]) == 0
+    parts = read_parts(tmp_path)
+    data = [read_own_party(own_party_file(o.data, o.rank), o.rank == 0, "logistic") for o in orgs]
+    blocks = [sp.vstack([sp.csr_matrix(d.X_train), sp.csr_matrix(d.X_test)], format="csr")
+              [rows_of(np.concatenate([d.train_ids, d.test_ids]), ids)] for d in data]
+    assert [p.k for p in parts] == [3, 3, 3]
+    assert np.allclose(combined_scores(parts, blocks), expected, atol=1e-6, rtol=0)
+
+
+def test_the_link_carries_a_multiclass_answer_checked_against_the_models_classes():
+    from parties.serving import link
+
+    proba = np.array([[0.2, 0.5, 0.3], [0.0, 0.0, 0.0]])
+    held = np.array([True, False])
+    got, flags = link.classes_of(link.classes_frame(proba, held)[8:], 2, 3)
+    assert flags.tolist() == [True, False] and got[0].tolist() == [0.2, 0.5, 0.3] and np.isnan(got[1]).all()
+    assert link.classes_of_ready(link.ready_frame(10)[8:]) == 10
+    refused = [  # (a check, what its one line says)
+        (lambda: link.classes_of_ready(link.ready_frame(2)[8:]), "a READY frame for 2 classes"),
+        (lambda: link.check_header(link.frame(link.READY)[:8], 64), "kind 1 with 0 bytes"),
+        (lambda: link.classes_of(np.zeros(8).tobytes(), 2, 4), "8 values answer a request of 2 ids"),
+        (lambda: link.classes_of(np.array([1, 0, np.inf, 0, 0, 0, 0, 0.0]).tobytes(), 2, 3), "not finite"),
+        (lambda: link.classes_of(np.array([0.5, 0, 0, 0, 0, 0, 0, 0.0]).tobytes(), 2, 3), "neither 0 nor 1"),
+        (lambda: link.scores_of(np.array([np.nan, 1.0]).tobytes(), 1), "not finite"),
+    ]
+    for check, says in refused:
+        with pytest.raises(link.LinkError, match=says):
+            check()
+
+
+def test_the_front_answers_as_the_federations_ready_says_and_stops_a_process_that_breaks_the_link():
+    import asyncio
+
+    from parties.serving import link
+    from parties.serving.supervisor import FederationDown
+
+    front, served = supervisor_after(link.ready_frame(3))
+    assert served and front.classes == 3 and front.task("binary") == "multiclass"
+    held = np.array([True])
+    answer = front._scores(link.CLASSES, link.classes_frame(np.array([[0.1, 0.2, 0.7]]), held)[8:], 1)
+    assert answer.probabilities.tolist() == [[0.1, 0.2, 0.7]]
+    killed: list[bool] = []
+    front.down, front.writer = None, Namespace(write=lambda data: None)
+    front.process = Namespace(kill=lambda: killed.append(True))
+
+    async def answered_with(data: bytes):
+        kind = link.check_header(data[:8], 1 << 20)[0]
+        asyncio.get_running_loop().call_soon(lambda: front._answer.set_result((kind, data[8:])))
+        return await front.score(np.array([5]))
+
+    for wrong in (link.scores_frame(np.array([1.0]), held),  # one score where 3 probabilities belong
+                  link.classes_frame(np.array([[0.5, 0.5]]), held)):  # 2 classes where READY said 3
+        with pytest.raises(FederationDown, match="federation process sent a malformed answer"):
+            asyncio.run(answered_with(wrong))
+    assert killed == [True, True]
+    front, _ = supervisor_after(link.ready_frame(1))
+    assert front.classes == 1 and front.task("binary") == "binary"
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ class Federated:
         service = comm.Dup()
         aggregator = SecureAggregator.over_mpi(comm, seed=self.plan.seed,
                                                allow_leaky_q2=self.plan.allow_two_parties,
-                                               max_batch=2 * self.serving.max_batch,
+                                               max_batch=self.model.round_values(self.serving.max_batch),
                                                channels=None if channels is None else channels.passes)
         return service, aggregator, channels
 
@@ -179,7 +179,7 @@ class Federated:
 
         federation = Federation(service, aggregator, self.model, peer_timeout=self.serving.peer_timeout,
                                 channels=None if channels is None else channels.requests)
-        self.link.send(wire_link.frame(wire_link.READY))
+        self.link.send(wire_link.ready_frame(self.model.classes))
         while True:
             try:
                 kind, payload = self.link.receive()
@@ -190,10 +190,13 @@ class Federated:
                 return
             if kind != wire_link.SCORE:
                 self.end(f"the front sent a frame of kind {kind} where a request belongs", PROTOCOL_BROKEN)
-            z, held = self.timed_round(federation, wire_link.ids_of(payload, self.serving.max_batch))
-            self.link.send(wire_link.scores_frame(z, held))
+            scores = self.timed_round(federation, wire_link.ids_of(payload, self.serving.max_batch))
+            if scores.probabilities is not None:  # a network of more than two classes
+                self.link.send(wire_link.classes_frame(scores.probabilities, scores.held))
+            else:
+                self.link.send(wire_link.scores_frame(scores.z, scores.held))
 
-    def timed_round(self, federation, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def timed_round(self, federation, ids: np.ndarray):
         """One round within ``--peer-timeout``: past it, the party that did not acknowledge the request
         is named and the federation ends; a party that breaks the protocol is named and excluded."""
         from protocols.errors import ProtocolViolation
@@ -217,7 +220,7 @@ class Federated:
             raise AssertionError("not reached") from err
         finally:
             timer.cancel()
-        return scores.z, scores.held
+        return scores
 
 
 if __name__ == "__main__":

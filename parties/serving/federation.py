@@ -72,7 +72,7 @@ def contribution(model: PartyModel, ids: np.ndarray) -> np.ndarray:
     rows = model.lookup(ids)
     held = rows >= 0
     n, k = ids.size, model.k
-    values = np.zeros((k + 1) * n)
+    values = np.zeros(model.round_values(n))
     if held.any():
         embedded = np.zeros((n, k))
         embedded[held] = model.embed(rows[held])

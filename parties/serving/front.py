@@ -102,17 +102,20 @@ def _error(status: int, line: str) -> web.Response:
     return web.json_response({"error": line}, status=status)
 
 
-def build_app(batcher: MicroBatcher, *, task: str, parties: int, on_failure: Callable[[str], None],
-              window_ms: float, sealed: bool = False) -> web.Application:
+def build_app(batcher: MicroBatcher, *, task: str | Callable[[], str], parties: int,
+              on_failure: Callable[[str], None], window_ms: float, sealed: bool = False) -> web.Application:
     """The aiohttp application; ``on_failure(line)`` is called once a party is found unavailable.
-    ``sealed``: whether the parties' messages travel sealed (``/health`` says so to the operator)."""
+    ``sealed``: whether the parties' messages travel sealed (``/health`` says so to the operator).
+    ``task`` may be a function: per organisation, the front learns the model's classes from each
+    federation's process (:mod:`parties.serving.supervisor`)."""
     state: dict = {"failed": None}
+    task_now = task if callable(task) else lambda: task
 
     async def score(request: web.Request) -> web.Response:
         if state["failed"]:
             return _error(503, state["failed"])
         try:
-            ids, outputs = parse_request(await request.read(), max_ids=batcher.max_rows, task=task)
+            ids, outputs = parse_request(await request.read(), max_ids=batcher.max_rows, task=task_now())
         except BadRequest as err:
             return _error(400, str(err))
         try:
@@ -127,7 +130,7 @@ def build_app(batcher: MicroBatcher, *, task: str, parties: int, on_failure: Cal
     async def health(request: web.Request) -> web.Response:
         if state["failed"]:
             return _error(503, state["failed"])
-        return web.json_response({"status": "ok", "parties": parties, "task": task, "sealed": sealed,
+        return web.json_response({"status": "ok", "parties": parties, "task": task_now(), "sealed": sealed,
                                   "max_batch": batcher.max_rows, "window_ms": window_ms,
                                   "requests": batcher.requests, "batches": batcher.batches,
                                   "aggregation_seconds": round(batcher.busy_seconds, 6)})

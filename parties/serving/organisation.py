@@ -45,7 +45,7 @@ def checked_serving(args: argparse.Namespace) -> Serving:
     """Every local check of a serving party; ConfigError (one line) otherwise."""
     from parties.federation.command import read_private_key
     from parties.federation.jobfile import load_job, split_address
-    from parties.serving.launch import check_options
+    from parties.serving.launch import check_options, check_sum_width
 
     job = load_job(args.job)
     rank = job.rank_of(args.name)
@@ -57,9 +57,6 @@ def checked_serving(args: argparse.Namespace) -> Serving:
         raise ConfigError("--serve is for vertical jobs: a horizontal job's model is the server's alone")
     if flags:
         raise ConfigError(f"{flags[0]} is for training: --serve reads the run in --folder, changes nothing")
-    if getattr(job.options, "model", "linear") != "linear":
-        raise ConfigError("--serve scores linear runs only for now (this job trains networks; "
-                          "`vfl serve RUN` serves a network run under one mpiexec)")
     if not args.join_timeout > 0:
         raise ConfigError(f"--join-timeout must be positive (got {args.join_timeout:g})")
     if (args.listen is not None or given["http"] is not None) and rank != 0:
@@ -74,6 +71,7 @@ def checked_serving(args: argparse.Namespace) -> Serving:
     try:
         check_options(http[1] if http else 0, values["window_ms"], values["max_batch"],
                       values["peer_timeout"])
+        check_sum_width(job.options, values["max_batch"])  # a network job's (k+1) values a row
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if not Path(args.data).exists():

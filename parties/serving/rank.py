@@ -84,7 +84,7 @@ def _join(comm, rank: int, args: argparse.Namespace):
     channels = open_session(comm, keys)
     service = comm.Dup()
     aggregator = SecureAggregator.over_mpi(comm, seed=config.seed, allow_leaky_q2=config.allow_two_parties,
-                                           max_batch=(model.k + 1) * args.max_batch,
+                                           max_batch=model.round_values(args.max_batch),
                                            channels=None if channels is None else channels.passes)
     return model, service, aggregator, channels
 

@@ -37,6 +37,17 @@ class PartyModel:
         """Values a row contributes to the secure sum: the cut layer's width, 1 for a linear block."""
         return 1 if self.network is None else int(self.network.k)
 
+    def round_values(self, n: int) -> int:
+        """Values this party adds to the secure sum of a round of n ids: (k+1)·n (its k per id, then 1/0
+        held); the aggregator is sized for a round of ``--max-batch`` ids from it."""
+        return (self.k + 1) * n
+
+    @property
+    def classes(self) -> int:
+        """C of the leader's answers: its top's class count when over two, else 1 (one score an id)."""
+        top = None if self.network is None else self.network.top
+        return int(top.n_classes) if top is not None and top.n_classes > 2 else 1
+
     def embed(self, rows: np.ndarray) -> np.ndarray:
         """This party's ``(len(rows), k)`` contribution of its ``rows`` (ids it holds)."""
         block = self.rows[rows]

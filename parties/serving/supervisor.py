@@ -56,6 +56,7 @@ class Supervisor:
         self._answer: asyncio.Future | None = None
         self.stopping = False
         self.usage = False  # a federation's process refused this party's own files (exit code 2)
+        self.classes = 1  # C of the model served, as the federation's READY says (1: a score per id)
 
     # ----------------------------------------------------------------- what the endpoint calls
 
@@ -72,8 +73,25 @@ class Supervisor:
             seconds = self.serving.peer_timeout + ANSWER_GRACE_S
             raise FederationDown(f"the leader's federation process did not answer within {seconds:g} s: it "
                                  "was stopped") from None
-        z, held = wire.scores_of(payload, ids.size)
-        return BatchScores(z, held)
+        try:
+            return self._scores(*payload, ids.size)
+        except wire.LinkError as err:  # the leader's own process, yet checked: stop it, say why
+            self.process.kill()
+            raise FederationDown(f"the leader's federation process sent a malformed answer ({err}): it was "
+                                 "stopped") from None
+
+    def _scores(self, kind: int, payload: bytes, n: int) -> BatchScores:
+        """The answer of a SCORES or CLASSES frame; C is the one READY said, never the answer's own."""
+        if kind == wire.CLASSES and self.classes > 1:
+            proba, held = wire.classes_of(payload, n, self.classes)
+            return BatchScores(np.full(n, np.nan), held, proba)
+        if kind == wire.SCORES and self.classes == 1:
+            return BatchScores(*wire.scores_of(payload, n))
+        raise wire.LinkError(f"a frame of kind {kind} answers for a model of {self.classes} classes")
+
+    def task(self, trained: str) -> str:
+        """What the endpoint answers: ``multiclass`` for a network of C > 2 classes, else the job's task."""
+        return "multiclass" if self.classes > 1 else trained
 
     # ----------------------------------------------------------------- the federation's process
 
@@ -125,15 +143,18 @@ class Supervisor:
         served = False
         while True:
             try:
-                kind, payload = await wire.read_frame(reader, 16 * self.serving.max_batch)
+                kind, payload = await wire.read_frame(reader, wire.answer_bytes(self.serving.max_batch,
+                                                                                 self.classes))
+                if kind == wire.READY:
+                    self.classes = wire.classes_of_ready(payload)
             except wire.LinkError:
                 return served
             if kind == wire.READY:
                 served, self.down = True, None
                 print(f"vfl party {self.args.name}: serving: every party joined; the endpoint answers",
                       flush=True)
-            elif kind == wire.SCORES and self._answer is not None and not self._answer.done():
-                self._answer.set_result(payload)
+            elif kind in (wire.SCORES, wire.CLASSES) and self._answer is not None and not self._answer.done():
+                self._answer.set_result((kind, payload))
             elif kind in (wire.DOWN, wire.EXCLUDED):
                 line = payload.decode("utf-8", "replace")
                 if kind == wire.EXCLUDED:
@@ -211,8 +232,9 @@ async def _serve(args: argparse.Namespace, serving: Serving, socket_path: str) -
     server = await asyncio.start_unix_server(supervisor.on_link, path=socket_path)
     batcher = MicroBatcher(supervisor.score, window=serving.window_ms / 1000, max_rows=serving.max_batch)
     options = serving.job.options
-    task = get_problem(options.problem, lam=options.lam).task or "regression"
-    app = build_app(batcher, task=task, parties=len(supervisor.names), on_failure=lambda line: None,
+    trained = get_problem(options.problem, lam=options.lam).task or "regression"
+    app = build_app(batcher, task=lambda: supervisor.task(trained), parties=len(supervisor.names),
+                    on_failure=lambda line: None,
                     window_ms=serving.window_ms, sealed=bool(options.secure_channels))
     app.middlewares.append(gate(supervisor))
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
