@@ -108,10 +108,10 @@ class RowNoise:
     A party that could compute that function, the worst case, learns from all of a run's releases of the
     row exactly one sample of −e_{y_i} + n_i: a single Gaussian mechanism of sensitivity
     ‖e_y − e_{y'}‖ = √2 (1 for one logit), so ε is that of one release, whatever the passes. Fresh noise
-    every pass (:class:`LabelProtection`) composes over the passes and must clip to 2C. What the model
-    and the attacker see is about the same either way (fresh noise averages over a row's passes as one
-    draw does not), so at the same attack AUC and accuracy this states a smaller ε: on a9a, per-row
-    ε = 2 against fresh ε = 4 for AUC 0.57 (docs/vertical-networks.md).
+    every pass (:class:`LabelProtection`) composes over the passes and must clip to 2C. The attacker
+    ends with about the same either way (fresh noise averages over a row's passes, one draw does not),
+    so this states a smaller ε for a given attack AUC: on a9a, per-row ε = 2 and fresh ε = 4 both
+    give AUC 0.57 (experiments/results/README.md).
 
     A top with parameters breaks the argument: its Jacobian changes between releases, so the
     difference of two releases of a row would carry the label without noise. The launcher refuses that
