@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,14 @@ import pytest
 from parties.launch import mpiexec_path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A suite started in the background (``python -m pytest … &``) inherits SIGINT ignored, as POSIX
+    shells give background jobs, and so would every process the tests start: the Ctrl-C tests (a
+    launcher interrupted, a service stopped) then fail although vfl is right. Restore the default."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def requires_dataset(name: str) -> pytest.MarkDecorator:
