@@ -12,7 +12,7 @@ import pytest
 
 from parties.export import combined_scores, read_parts
 from tests.test_export import ok, vfl
-from tests.test_federation import free_port, make_orgs, run_parties, write_jobs
+from tests.test_federation import breast_cancer_orgs, run_parties
 
 pytestmark = pytest.mark.mpi
 
@@ -20,13 +20,7 @@ pytestmark = pytest.mark.mpi
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):
     """Three organisations trained a job under ``standardize = "center"``, each in its own folder."""
-    from vfl.cli import main
-
-    base = tmp_path_factory.mktemp("party-export")
-    split = base / "split"
-    assert main(["split", "breast-cancer", "-n", "3", "-m", "1", "--out", str(split)]) == 0
-    orgs = make_orgs(base, split)
-    write_jobs(orgs, f"127.0.0.1:{free_port()}", **{o.name: {"standardize": "center"} for o in orgs})
+    orgs, _ = breast_cancer_orgs(tmp_path_factory.mktemp("party-export"), standardize="center")
     results = run_parties([org.command("--join-timeout", "60") for org in orgs], timeout=180)
     for org, result in zip(orgs, results, strict=True):
         assert result.returncode == 0, f"{org.name}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"

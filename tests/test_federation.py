@@ -100,6 +100,18 @@ def write_jobs(orgs: list[Org], address: str, **changes_at: dict) -> None:
         org.job.write_text(job_text(keys, address, **changes_at.get(org.name, {})))
 
 
+def breast_cancer_orgs(base: Path, **job: object) -> tuple[list[Org], Path]:
+    """Three organisations of breast-cancer (``vfl split -n 3 -m 1`` in ``base/split``), with their job
+    files written for a free local port and ``job``'s options at every party; and the split."""
+    from vfl.cli import main
+
+    split = base / "split"
+    assert main(["split", "breast-cancer", "-n", "3", "-m", "1", "--out", str(split)]) == 0
+    orgs = make_orgs(base, split)
+    write_jobs(orgs, f"127.0.0.1:{free_port()}", **{o.name: dict(job) for o in orgs})
+    return orgs, split
+
+
 def run_parties(commands: list[list[str]], timeout: float, env: dict[str, str] | None = None
                 ) -> list[subprocess.CompletedProcess]:
     """Start every command at once (each a separate `vfl party`), wait for all."""

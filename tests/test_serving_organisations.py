@@ -26,7 +26,7 @@ import pytest
 
 from parties.config import ConfigError
 from tests.conftest import REPO_ROOT
-from tests.test_federation import free_port, make_orgs, write_jobs
+from tests.test_federation import breast_cancer_orgs, free_port, make_orgs, write_jobs
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 
@@ -57,13 +57,7 @@ def trained_folder(org, seed: int) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def organisations(tmp_path_factory):
     """Three organisations' folders of one trained job, and the expected score of every id."""
-    from vfl.cli import main
-
-    base = tmp_path_factory.mktemp("served")
-    split = base / "split"
-    assert main(["split", "breast-cancer", "-n", "3", "-m", "1", "--out", str(split)]) == 0
-    orgs = make_orgs(base, split)
-    write_jobs(orgs, f"127.0.0.1:{free_port()}", **{o.name: {"standardize": "off"} for o in orgs})  # raw x
+    orgs, split = breast_cancer_orgs(tmp_path_factory.mktemp("served"), standardize="off")  # raw x
     partials = [trained_folder(org, seed) for seed, org in enumerate(orgs)]
     expected = {i: sum(p[i] for p in partials) for i in partials[0]}
     return orgs, expected, split
