@@ -9,9 +9,9 @@ The runtime drives one of two *parts* through the same calls, so there is one ru
 * :class:`NetworkPart` - a party's network of :mod:`vertical.nn` (k values a row): a torch model is not
   lock-free, so one lock serialises its forward passes and steps. In the lock-step modes each (ϑ, i)
   message is one step (split learning exactly). Asynchronously, a party that has fallen behind takes
-  the messages queued meanwhile in one step on the union of their rows (the batch-mean gradient over
-  all of them): with one queued message that is the same step, and a slow party catches up instead of
-  holding the others back through an ever longer queue (``docs/vertical-networks.md``).
+  the messages queued meanwhile together: one gradient on the union of their rows, then one optimizer
+  step per message (:meth:`NetworkPart.step`), so a slow party catches up with one backward per queue
+  and still steps as often as the top (``docs/vertical-networks.md``).
 
 Values cross as flat float64 arrays: a contribution of B rows is B·k values (each row's k together),
 and so is ϑ, the layout of the k-wide (ϑ, i) message (``vertical/nn/messages.py``).
@@ -183,9 +183,7 @@ def attach_network(config, party, X_train) -> None:
         party.network = MLPBottom(X_train, spec, optimizer=optimizer, seed=config.seed + party.rank)
         if party.y is not None:
             party.classes = as_classes(party.y)
-            seen = party.classes if party.y_test is None else np.concatenate([party.classes,
-                                                                              as_classes(party.y_test)])
-            party.top = MLPTop(config.top, max(2, int(seen.max()) + 1), k=party.network.k,
+            party.top = MLPTop(config.top, class_count(party.y, party.y_test), k=party.network.k,
                                optimizer=optimizer, seed=config.seed + config.parties)
     except ValueError as err:
         raise ValueError(f"party {party.rank}: {err}") from None
@@ -206,8 +204,7 @@ def load_trained_network(folder, rank: int, n_features: int, epochs: float, bott
     network = MLPBottom(np.zeros((1, n_features)), bottom, optimizer=None)
     head = None
     if labels is not None:
-        seen = [as_classes(y) for y in labels if y is not None and np.size(y)]
-        head = MLPTop(top, max([2, *(int(y.max()) + 1 for y in seen)]), k=network.k, optimizer=None)
+        head = MLPTop(top, class_count(*labels), k=network.k, optimizer=None)
     part = NetworkPart(SimpleNamespace(network=network, top=head, classes=None))
     ckpt = load_checkpoint(folder, rank, n_features, epochs, part.state_shapes())
     assert ckpt.network is not None
@@ -229,6 +226,13 @@ def run_network(config, party, epochs: float) -> NetworkPart:
     labels = None if party.y is None else (party.y, party.y_test)
     return load_trained_network(config.party_folder(rank), rank, party.block.n_cols, epochs,
                                 bottom_specs(config.bottom, config.parties)[rank], config.top, labels)
+
+
+def class_count(*labels) -> int:
+    """How many classes a top predicts for these label arrays (training's, the test rows'; None or
+    empty ones skipped): at least 2, else one more than the largest class number."""
+    seen = [as_classes(y) for y in labels if y is not None and np.size(y)]
+    return max([2, *(int(y.max()) + 1 for y in seen)])
 
 
 def as_classes(y: np.ndarray) -> np.ndarray:

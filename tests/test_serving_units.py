@@ -58,7 +58,7 @@ def test_a_party_looks_up_only_the_ids_it_holds():
     model = PartyModel(1, np.ones(2), rows, ids[order], order, None)
     found = model.lookup(np.array([10, 11, 30, 99, -5]))
     assert found.tolist() == [1, -1, 0, -1, -1]
-    assert model.request_rows(found).toarray()[0].tolist() == [2.0, 3.0]
+    assert model.embed(found[:1]).tolist() == [[5.0]]  # id 10 is row 1: [2, 3]·w
 
 
 def test_the_request_a_passive_party_receives_is_checked_whole():

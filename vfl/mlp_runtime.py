@@ -61,7 +61,7 @@ def fit_over_mpi(est, X, labels: np.ndarray, columns: list[np.ndarray], work: Pa
         reason = next((k for k, v in EXIT_CODES.items() if v == code), "failed")
         raise RuntimeError(f"the network job {reason} (exit code {code}); the message above says why")
     run = Path(plan.out)
-    bottoms, top = _trained_networks(est, X, columns, n_classes, run)
+    bottoms, top = _trained_networks(plan, columns, labels, run)
     return {"bottoms_": bottoms, "top_": top,
             "history_": [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()],
             "noise_multiplier_": plan.noise_multiplier,
@@ -81,19 +81,16 @@ def _party_files(X, labels: np.ndarray, n_classes: int, columns, folder: Path) -
     return folder
 
 
-def _trained_networks(est, X, columns, n_classes: int, run: Path):
-    """Every party's network and the top with the job's trained weights (read from each party's
-    checkpoint; names and shapes checked by ``load_state_dict``)."""
-    from vertical.nn.networks import OptimizerSpec, build_split_network
+def _trained_networks(plan, columns, labels: np.ndarray, run: Path):
+    """Every party's trained network and the top, read from each party's checkpoint of the run's last
+    complete epoch as ``vfl predict`` reads them (:func:`parties.party_model.load_trained_network`:
+    names and shapes checked; for inference, no optimiser)."""
+    from parties.checkpoint import complete_epochs
+    from parties.model_options import bottom_specs
+    from parties.party_model import load_trained_network
 
-    bottoms, top = build_split_network(X, columns, est.bottom, est.top, n_classes,
-                                       optimizer=OptimizerSpec("adam", est.lr), seed=est.seed)
-    for rank, bottom in enumerate(bottoms):
-        bottom.load_state_dict(_network_state(run, rank, "net/bottom/"))
-    top.load_state_dict(_network_state(run, 0, "net/top/"))
-    return bottoms, top
-
-
-def _network_state(run: Path, rank: int, prefix: str) -> dict[str, np.ndarray]:
-    with np.load(run / f"party-{rank}.ckpt.npz") as z:
-        return {name[len(prefix):]: z[name] for name in z.files if name.startswith(prefix)}
+    epochs, specs = complete_epochs(run), bottom_specs(plan.bottom, plan.parties)
+    parts = [load_trained_network(plan.party_folder(rank), rank, len(cols), epochs, specs[rank], plan.top,
+                                  (labels,) if rank == 0 else None)
+             for rank, cols in enumerate(columns)]
+    return [part.model for part in parts], parts[0].top

@@ -64,11 +64,6 @@ class PartyModel:
         found = self.sorted_ids[at] == ids
         return np.where(found, self.row_of_sorted[at], -1)
 
-    def request_rows(self, rows: np.ndarray) -> sp.csr_matrix:
-        """The rows of one request, in its order (a row 0 stands in for an unknown id: such a position
-        is never aggregated)."""
-        return self.rows[np.maximum(rows, 0)]
-
 
 def load_model(config: JobPlan, rank: int, epochs: float) -> PartyModel:
     """This party's :class:`PartyModel` for the complete epoch ``epochs`` (the leader's)."""
