@@ -73,14 +73,15 @@ def test_per_row_noise_is_refused_where_its_argument_does_not_hold():
 
 @pytest.mark.mpi
 def test_a_real_job_with_per_row_noise_learns_and_its_passive_transcripts_read_near_chance(tmp_path):
-    """ε = 2 in one release (σ printed): the job still learns breast-cancer (majority: 0.63), and on a
+    """ε = 2 in one release (σ printed), async with -P 2 (the fresh mode is tested in lock-step): the job
+    still learns breast-cancer (majority: 0.63), and on a
     passive party's transcript of 3 passes the direction attack, oriented by 20 known labels, is near
     chance (without protection it reads ≥ 95 %: tests/test_vertical_nn_runtime.py)."""
     from experiments.label_attacks import Transcript, judge, theta_direction
     from parties.loading import load_party
     from parties.plan import JobPlan
 
-    proc = train(tmp_path, *NET, "--mode", "sync", "--epochs", "3", "--label-privacy", "dp-theta",
+    proc = train(tmp_path, *NET, "--mode", "async", "-P", "2", "--epochs", "3", "--label-privacy", "dp-theta",
                  "--epsilon", "2", "--theta-noise", "per-row", "--audit")
     assert "one Gaussian draw, added to its every ϑ, of noise multiplier σ = 2.15" in proc.stdout
     assert metrics(tmp_path)[-1]["test_accuracy"] >= 0.8
