@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="privacy: the label-DP budgets of the protected runs")
     p.add_argument("--theta-noise", choices=("fresh", "per-row"), default="fresh",
                    help="privacy: how the protected runs noise ϑ (vfl train --theta-noise)")
+    p.add_argument("--tag", default="",
+                   help="appended to the output files' names, so that a variant keeps its own tables")
     args = p.parse_args(argv)
     if args.part in ("accuracy", "privacy"):
         if args.epochs != int(args.epochs):
@@ -303,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="vnn-runtime-") as tmp:
         rows = {"straggler": straggler, "accuracy": accuracy, "privacy": privacy}[args.part](args, Path(tmp))
     name = f"{args.part}-{args.dataset}" + ("-per-row" if args.part == "privacy" and
-                                            args.theta_noise == "per-row" else "")
+                                            args.theta_noise == "per-row" else "") + (
+        f"-{args.tag}" if args.tag else "")
     write(rows, name)
     print((OUT / f"{name}.md").read_text())
