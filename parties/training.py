@@ -124,6 +124,7 @@ class _Trainer:
         self.marked: float | None = None  # the last epoch the leader marked complete (none yet)
         self.initial_loss: float | None = None
         self.gamma = config.gamma  # the base step: derived from the data at start when None
+        self.step = config.gamma   # the step of the current epoch (--gamma-decay decays it from gamma)
         self.out = Path(config.out)
         self.folder = config.party_folder(self.rank)
         self.log = None
@@ -133,6 +134,7 @@ class _Trainer:
         config, party = self.config, self.party
         kept = self._resume() if config.resume else None
         self.gamma = choose_gamma(self.rt, config, kept)  # before any step (collective unless --gamma γ)
+        self.step = config.gamma_at(self.epochs, self.gamma)
         if self.rank == LEADER:
             self._open_outputs()
         record = self._evaluate()
@@ -212,7 +214,8 @@ class _Trainer:
         if config.gamma_decay:
             # the step changes only at whole epochs (next_segment cuts there), with every coordinate
             # up to date (drain)
-            party.rule.set_gamma(config.gamma_at(self.epochs, self.gamma))
+            self.step = config.gamma_at(self.epochs, self.gamma)
+            self.rt.part.set_step(self.step)
         started = time.perf_counter()
         # every rank sums the same words into self.epochs, so all agree on when a snapshot happens
         if party.rule.needs_snapshot and self.epochs >= next_snapshot - SNAPSHOT_SLACK:
@@ -335,7 +338,7 @@ class _Trainer:
         record: dict = {"epoch": round(self.epochs, 6), "time": round(self.train_time, 6),
                         "updates": self.updates, "loss": loss}
         if self.config.gamma_decay:
-            record["gamma"] = self.party.rule.gamma     # the step of the epoch just finished
+            record["gamma"] = self.step  # the step of the epoch just finished
         if self.config.f_star is not None:
             record["suboptimality"] = loss - self.config.f_star
         if z_test is not None:
@@ -357,6 +360,8 @@ class _Trainer:
         loss = float(-np.mean(np.log(np.clip(chance, 1e-300, None))))
         record: dict = {"epoch": round(self.epochs, 6), "time": round(self.train_time, 6),
                         "updates": self.updates, "loss": loss}
+        if self.config.gamma_decay:
+            record["gamma"] = self.step  # Adam's step in the epoch just finished
         if z_test is not None:
             from parties.party_model import as_classes
 

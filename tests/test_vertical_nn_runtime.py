@@ -78,7 +78,6 @@ def test_bottom_specs_are_one_for_all_or_one_per_party_ending_at_one_width():
     ({"active": 2}, "-m 1"),
     ({"problem": "least-squares"}, "a classifier with the logistic loss"),
     ({"label_privacy": "he", "batch_size": 512}, "--label-privacy he"),
-    ({"gamma_decay": 0.5}, "--gamma-decay"),
     ({"f_star": 0.1}, r"no f\*"),
     ({"bottom": "*-8-4,*-8-4"}, "2 specs for 3 parties"),
     ({"bottom": "*-8-*"}, r"'\*' only stands first"),
@@ -108,7 +107,8 @@ def test_what_a_network_keeps_is_accepted():
 def _replayed_lock_step(out: Path, epochs: int) -> dict[str, dict[str, np.ndarray]]:
     """What the job's parties hold after ``epochs`` of lock-step split learning in one process: each
     rank's data and fresh network as the rank builds them (``parties.loading.load_party``), driven by
-    the simulator on the batches the job's dominator drew (its sampler, one call a segment)."""
+    the simulator on the batches the job's dominator drew (its sampler, one call a segment), each epoch
+    at the job's decayed step γ/(1 + decay·e) (``--gamma-decay``)."""
     from parties.loading import load_party
     from parties.plan import JobPlan, segment_quota
     from vertical.nn.simulate import simulate
@@ -119,8 +119,12 @@ def _replayed_lock_step(out: Path, epochs: int) -> dict[str, dict[str, np.ndarra
     sampler = np.random.default_rng([plan.seed, 0])
     quota = segment_quota(plan.options, 1.0, n)
     schedule = [list(sampler.integers(0, n, size=(quota, plan.batch_size))) for _ in range(epochs)]
-    simulate([p.network for p in parties], parties[0].top, parties[0].classes, epochs=epochs,
-             batch_size=plan.batch_size, mode="sync", batches=lambda epoch, rng: schedule[epoch - 1])
+    for epoch in range(epochs):
+        for optimizer in [p.network.optimizer for p in parties] + [parties[0].top.optimizer]:
+            for group in optimizer.param_groups:
+                group["lr"] = plan.gamma_at(epoch)
+        simulate([p.network for p in parties], parties[0].top, parties[0].classes, epochs=1,
+                 batch_size=plan.batch_size, mode="sync", batches=lambda _, rng, e=epoch: schedule[e])
     held = {f"party-{p.rank}": p.network.state_dict() for p in parties}
     held["top"] = parties[0].top.state_dict()
     return held
@@ -147,18 +151,22 @@ def test_a_lock_step_network_job_is_split_learning_and_resumes_where_it_left_off
     """Every parameter (and Adam's state) of every party's network and of the top, after 2 epochs of a
     real 3-party ``sync`` job, equals the one-process lock-step simulation on the batches the job drew:
     the secure sum of k-wide contributions, the k-wide (ϑ, i) dispatch and each party's step are split
-    learning exactly (to float32 rounding; the masked sum is exact to 2^-32). A ``sync-global`` job of 1
-    epoch resumed for a second (networks, Adam's moments and the sampler in the checkpoints) ends at the
-    same parameters."""
+    learning exactly (to float32 rounding; the masked sum is exact to 2^-32), and every optimiser takes
+    the second epoch at the decayed step (``--gamma-decay 1``: half). A ``sync-global`` job of 1 epoch
+    resumed for a second (networks, Adam's moments, the sampler in the checkpoints, the step decayed
+    from the epoch) ends at the same parameters."""
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    train(whole, *NET, "-B", "32", "-n", "3", "--mode", "sync", "--epochs", "2", "--seed", "3")
+    decay = ("--gamma", "0.004", "--gamma-decay", "1")
+    train(whole, *NET, *decay, "-B", "32", "-n", "3", "--mode", "sync", "--epochs", "2", "--seed", "3")
+    assert [r.get("gamma") for r in metrics(whole)] == [0.004, 0.004, 0.002]
     expected = _replayed_lock_step(whole, epochs=2)
     for rank in range(3):
         _assert_same(_part(_trained(whole, rank), "bottom/"), expected[f"party-{rank}"], f"party {rank}",
                      rtol=1e-4, atol=1e-5)
     _assert_same(_part(_trained(whole, 0), "top/"), expected["top"], "top", rtol=1e-4, atol=1e-5)
 
-    train(resumed, *NET, "-B", "32", "-n", "3", "--mode", "sync-global", "--epochs", "1", "--seed", "3")
+    train(resumed, *NET, *decay, "-B", "32", "-n", "3", "--mode", "sync-global", "--epochs", "1",
+          "--seed", "3")
     proc = train(resumed, "--resume", "--epochs", "2")
     assert "resuming from epoch 1" in proc.stdout
     for rank in range(3):
