@@ -167,7 +167,8 @@ def accuracy(args, work: Path) -> list[dict]:
 
 def privacy(args, work: Path) -> list[dict]:
     rows = []
-    common = ["-B", str(args.batch), "--gamma", str(args.gamma), "--epochs", str(args.epochs),
+    common = ["-B", str(args.batch), "--gamma", str(args.gamma), "--gamma-decay", str(args.gamma_decay),
+              "--epochs", str(args.epochs),
               "--bottom", args.bottom, "--top", args.top, "-P", str(args.inflight), "--audit"]
     for seed in range(args.seeds):
         for epsilon in [None, *args.epsilons]:
@@ -295,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="privacy: the label-DP budgets of the protected runs")
     p.add_argument("--theta-noise", choices=("fresh", "per-row"), default="fresh",
                    help="privacy: how the protected runs noise ϑ (vfl train --theta-noise)")
+    p.add_argument("--gamma-decay", type=float, default=0.0,
+                   help="privacy: Adam's step decays by whole epochs (vfl train --gamma-decay)")
     p.add_argument("--tag", default="",
                    help="appended to the output files' names, so that a variant keeps its own tables")
     args = p.parse_args(argv)
