@@ -179,11 +179,13 @@ def test_a_lock_step_network_job_is_split_learning_and_resumes_where_it_left_off
 @pytest.mark.mpi
 def test_an_asynchronous_network_job_with_per_party_networks_learns(tmp_path):
     """q = 4, each organisation its own network (one spec per party), requests in flight and ϑ riding
-    on them: the job learns breast-cancer (a majority-class guess scores 0.63) and says what it ran."""
+    on them, sealed channels, evaluations every half epoch: the job learns breast-cancer (a
+    majority-class guess scores 0.63) and says what it ran."""
     proc = train(tmp_path, *NET[:-4], "--bottom", "*-8-4,*-4,*-16-4,*-8-4", "--top", "*-8-*", "-n", "4",
                  "-P", "4", "--piggyback", "--epochs", "4", "--audit", "--straggler", "2",
-                 "--apply-delay-ms", "3")
+                 "--apply-delay-ms", "3", "--secure-channels", "--eval-every", "0.5")
     records = metrics(tmp_path)
+    assert [r["epoch"] for r in records] == [0.5 * e for e in range(9)]
     assert records[-1]["test_accuracy"] >= 0.9
     assert records[-1]["loss"] < 0.6 * records[0]["loss"]
     assert all(math.isfinite(r["loss"]) for r in records)
