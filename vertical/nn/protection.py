@@ -120,9 +120,9 @@ class RowNoise:
     row exactly one sample of −e_{y_i} + n_i: a single Gaussian mechanism of sensitivity
     ‖e_y − e_{y'}‖ = √2 (1 for one logit), so ε is that of one release, whatever the passes. Fresh noise
     every pass (:class:`LabelProtection`) has the same sensitivity but composes over the passes. The attacker
-    ends with about the same either way (fresh noise averages over a row's passes, one draw does not),
-    so this states a smaller ε for a given attack AUC: on a9a, per-row ε = 2 and fresh ε = 4 both
-    give AUC 0.57 (experiments/results/README.md).
+    ends with about the same either way (fresh noise averages over a row's passes, one draw does not):
+    on a9a the direction attack's AUC is 0.569 at per-row ε = 2 and 0.563–0.580 at fresh ε = 2
+    (experiments/results/README.md), and fresh noise cost less accuracy.
 
     A top with parameters breaks the argument: its Jacobian changes between releases, so the
     difference of two releases of a row would carry the label without noise. The launcher refuses that
