@@ -50,6 +50,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                  "ISCA paper Figs 1-6 on Fashion-MNIST: ISCA/ISCAM vs SCALLION/FedCOMGATE, IID vs non-IID"),
     "vnn_runtime": ("experiments.vnn_runtime",
                     "vfl train --model mlp: async vs lock-step with a straggler; vs the centralised net"),
+    "vnn_privacy_summary": ("experiments.vnn_privacy_summary",
+                            "dp-theta: every protected run's accuracy cost against the attack's AUC"),
     "vfb2_runtime": ("experiments.vfb2_runtime",
                      "VFB² runtime benchmarks: async vs sync, cost of federation, k threads (issue 4)"),
     "vfb2_batches": ("experiments.vfb2_batches",
