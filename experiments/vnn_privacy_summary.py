@@ -55,7 +55,8 @@ def read(folder: Path = OUT) -> list[dict]:
             runs.append({"dataset": dataset, "tag": tag, "setting": SETTINGS[tag],
                          "noise": "2σ (clipped bound)" if tag in CLIPPED_BOUND else "σ (exact)",
                          "epsilon": r["epsilon"], "points": 100 * (r["final_accuracy"] - plain[r["seed"]]),
-                         "auc": r["direction_auc"], "load": r["load"]})
+                         "auc": r["direction_auc"], "projection": r.get("projection_auc"),
+                         "load": r["load"]})
     return runs
 
 
@@ -64,14 +65,16 @@ def table(runs: list[dict]) -> str:
     for r in runs:
         groups.setdefault((r["dataset"], r["tag"], r["epsilon"]), []).append(r)
     lines = ["| dataset | table (tag) | setting | noise | ε | runs | Δ accuracy, mean (min–max) | "
-             "direction AUC | load |", "|---|---|---|---|---|---|---|---|---|"]
+             "direction AUC | projection AUC | load |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (dataset, tag, epsilon), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
         points = [r["points"] for r in rs]
         aucs = [r["auc"] for r in rs]
         loads = [r["load"] for r in rs]
         spread = f"{statistics.mean(points):+.2f} ({min(points):+.2f} to {max(points):+.2f})"
+        projections = [r["projection"] for r in rs if r["projection"] is not None]
+        projected = f"{min(projections):.3f}–{max(projections):.3f}" if projections else "not run"
         lines.append(f"| {dataset} | {tag or '(none)'} | {rs[0]['setting']} | {rs[0]['noise']} | "
-                     f"{epsilon:g} | {len(rs)} | {spread} | {min(aucs):.3f}–{max(aucs):.3f} | "
+                     f"{epsilon:g} | {len(rs)} | {spread} | {min(aucs):.3f}–{max(aucs):.3f} | {projected} | "
                      f"{min(loads):.1f}–{max(loads):.1f} |")
     return "\n".join(lines)
 
