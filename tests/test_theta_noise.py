@@ -75,9 +75,10 @@ def test_per_row_noise_is_refused_where_its_argument_does_not_hold():
 def test_a_real_job_with_per_row_noise_learns_and_its_passive_transcripts_read_near_chance(tmp_path):
     """ε = 2 in one release (σ printed), async with -P 2 (the fresh mode is tested in lock-step): the job
     still learns breast-cancer (majority: 0.63), and on a
-    passive party's transcript of 3 passes the direction attack, oriented by 20 known labels, is near
-    chance (without protection it reads ≥ 95 %: tests/test_vertical_nn_runtime.py)."""
-    from experiments.label_attacks import Transcript, judge, theta_direction
+    passive party's transcript of 3 passes the direction attack and the projection attack (which
+    averages a row's passes), oriented by 20 known labels, are near chance (without protection the
+    direction attack reads ≥ 95 %: tests/test_vertical_nn_runtime.py)."""
+    from experiments.label_attacks import Transcript, judge, theta_direction, theta_projection
     from parties.loading import load_party
     from parties.plan import JobPlan
 
@@ -87,5 +88,6 @@ def test_a_real_job_with_per_row_noise_learns_and_its_passive_transcripts_read_n
     assert metrics(tmp_path)[-1]["test_accuracy"] >= 0.8
     y = load_party(JobPlan.from_json((Path(tmp_path) / "config.json").read_text()), 0).y
     transcript = Transcript.load(tmp_path / "audit-2.npz")
-    attack = judge(theta_direction(transcript, y.size, (np.arange(20), y[:20])), y)
-    assert attack["coverage"] > 0.9 and abs(attack["auc"] - 0.5) <= 0.15, attack
+    for read in (theta_direction, theta_projection):
+        attack = judge(read(transcript, y.size, (np.arange(20), y[:20])), y)
+        assert attack["coverage"] > 0.9 and abs(attack["auc"] - 0.5) <= 0.15, (read.__name__, attack)
