@@ -147,6 +147,8 @@ def _median(runs: list[dict], config: str, setting: str) -> float | None:
 
 
 def figure(runs: list[dict], configs: list[str], path: Path) -> None:
+    from matplotlib.ticker import ScalarFormatter
+
     from experiments._plotting import colours, figure_legend, pyplot, save
 
     settings = list(dict.fromkeys(r["setting"] for r in runs))
@@ -158,8 +160,12 @@ def figure(runs: list[dict], configs: list[str], path: Path) -> None:
             values = [r["seconds_per_round"] for r in runs if r["config"] == name and r["setting"] == setting]
             ax.plot(range(1, len(values) + 1), values, "o-", color=colour[name], label=name)
         ax.axhline(GOALS[setting], color="black", ls=":", label="issue 30's goal")
+        repeats = max(r["repeat"] for r in runs) + 1
         ax.set(yscale="log", xlabel="repetition (configurations alternate)", ylabel="seconds per round",
-               title="idle machine" if setting == "idle" else "beside a 4-party vfl train job")
+               xticks=range(1, repeats + 1),
+               title="no job of ours beside" if setting == "idle" else "beside a 4-party vfl train job")
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(ScalarFormatter())
     figure_legend(fig, ncol=3)
     save(fig, path)
 
