@@ -57,3 +57,19 @@ def test_a_bad_thread_count_is_one_line(value, capsys):
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         f"must be an integer of at least 1 (got {value!r})")
+
+
+def test_the_busy_benchmark_table_gives_each_setting_its_spread_and_the_mpi_ratio():
+    from experiments.bench_hfl_busy import table
+
+    names = ["default: 2 threads", "before: spinning", "parties.hfl, 4 ranks (P = 3)"]
+    seconds = {names[0]: (0.1, 0.12, 0.5), names[1]: (1.0, 2.0, 3.0), names[2]: (0.15, 0.15, 0.2)}
+    runs = [{"setting": setting, "config": name, "repeat": rep, "seconds_per_round": value * factor,
+             "load_before": 1.0 + rep}
+            for setting, factor in (("idle", 1), ("beside", 3)) for name in names
+            for rep, value in enumerate(seconds[name])]
+    lines = table(runs, names, "python -m experiments hfl_busy").splitlines()
+    assert lines[0] == "| configuration | idle (goal ≤ 0.13 s) | beside (goal ≤ 0.4 s) |"
+    assert lines[2] == "| default: 2 threads | 0.120 (0.100–0.500) | 0.360 (0.300–1.500) |"
+    assert lines[5] == "| parties.hfl ÷ the simulation's default (goal ≤ 1.5×) | 1.25× | 1.25× |"
+    assert "idle: 1.00–3.00; beside: 1.00–3.00" in lines[-1]
