@@ -24,6 +24,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                 "start-up of the quickstart's q = 4 job (wall - training) and where it goes, vs a commit"),
     "threads": ("experiments.bench_threads",
                 "threads per rank: an HFL job over MPI, this host's share per rank vs every core"),
+    "hfl_busy": ("experiments.bench_hfl_busy",
+                 "an HFL round idle and beside a 4-party job: torch thread settings, parties.hfl 4 ranks"),
     "piggyback": ("experiments.bench_piggyback",
                   "--piggyback vs plain dispatch: time per dominated update, with a serial run beside"),
     "hot_path": ("experiments.bench_hot_path",
