@@ -48,10 +48,13 @@ def configurations(cores: int) -> dict[str, dict]:
     OpenMP default: OpenMP's own spinning default, as before), or ``mpi`` for the parties.hfl job. Keys
     in a fixed order: the colours."""
     return {
-        f"default: {cores} threads, OMP_WAIT_POLICY=PASSIVE": {"env": {}, "args": []},
+        f"default: {cores} threads, GOMP_SPINCOUNT=10000": {"env": {}, "args": []},
         f"before: torch's {cores} threads, spinning": {"env": {}, "args": [], "torch_first": True},
         "1 thread": {"env": {}, "args": ["--compute-threads", "1"]},
         "parties.hfl, 4 ranks (P = 3)": {"mpi": True},
+        f"{cores} threads, never spinning (OMP_WAIT_POLICY=PASSIVE)": {"env": {"OMP_WAIT_POLICY": "PASSIVE"},
+                                                                       "args": []},
+        f"{cores} threads, GOMP_SPINCOUNT=100000": {"env": {"GOMP_SPINCOUNT": "100000"}, "args": []},
     }
 
 
