@@ -21,8 +21,8 @@ from pathlib import Path
 from experiments._plotting import check_labelled, colours, pyplot
 
 OUT = Path(__file__).resolve().parent / "results" / "vnn_runtime"
-#: What each table's tag stands for (the options beside q = 4, async, -P 4, `*-16-1`, top 1; 5 epochs
-#: unless it says otherwise).
+#: What each table's tag stands for (the options beside q = 4, async, -P 4, top 1; bottoms `*-16-1` and 5
+#: epochs unless it says otherwise).
 SETTINGS = {
     "": "B 256, γ 1e-2",
     "decay1": "B 256, γ 1e-2, decay 1",
@@ -34,6 +34,7 @@ SETTINGS = {
     "decay3": "B 1024, γ 2e-2, decay 3",
     "projection": "B 1024, γ 2e-2, decay 1",
     "projection-3epochs": "B 1024, γ 2e-2, decay 1, 3 epochs",
+    "projection-linear-bottoms": "B 1024, γ 2e-2, decay 1, linear bottoms `*-1`",
 }
 #: Tables run before the identity top's exact sensitivity (noise 2σ where it is now σ for one logit).
 CLIPPED_BOUND = {"", "decay1", "B1024"}

@@ -135,6 +135,8 @@ class _Trainer:
         kept = self._resume() if config.resume else None
         self.gamma = choose_gamma(self.rt, config, kept)  # before any step (collective unless --gamma γ)
         self.step = config.gamma_at(self.epochs, self.gamma)
+        if config.gamma_decay:  # before the (collective) evaluation: no (ϑ, i) of this run can come sooner
+            self.rt.part.set_step(self.step)
         if self.rank == LEADER:
             self._open_outputs()
         record = self._evaluate()
@@ -211,11 +213,8 @@ class _Trainer:
     def _segment(self, next_snapshot: float) -> float:
         """Train one segment of the schedule (collective); returns when the next snapshot is due."""
         config, party = self.config, self.party
-        if config.gamma_decay:
-            # the step changes only at whole epochs (next_segment cuts there), with every coordinate
-            # up to date (drain)
+        if config.gamma_decay:  # the step this segment trains with, set when the last one ended (below)
             self.step = config.gamma_at(self.epochs, self.gamma)
-            self.rt.part.set_step(self.step)
         started = time.perf_counter()
         # every rank sums the same words into self.epochs, so all agree on when a snapshot happens
         if party.rule.needs_snapshot and self.epochs >= next_snapshot - SNAPSHOT_SLACK:
@@ -239,6 +238,11 @@ class _Trainer:
         self.updates += done_all
         self.epochs += (done_all * config.batch_size / n if config.time_limit is not None
                         else segment)  # cut short?
+        if config.gamma_decay:
+            # the next segment's step, set now, with every coordinate up to date (drain): a dominator
+            # may send its first (ϑ, i) as soon as the leader decides to go on, before this party's
+            # main thread is back in _segment (the step changes only at whole epochs: next_segment)
+            self.rt.part.set_step(config.gamma_at(self.epochs, self.gamma))
         return next_snapshot
 
     # ------------------------------------------------------------------------------------ the leader

@@ -18,7 +18,8 @@ budget. The top's noise lands on a sum over B rows and ϑ's on each row, so the 
 part. A top without parameters leaves all of it to ϑ, and needs no clip at all: with the identity top,
 ϑ_b = σ(z_b) − y_b (one logit) or p_b − e_{y_b} (softmax), where z_b comes from the earlier releases
 alone, so one label moves its row's ϑ by exactly Δ = 1 or √2 (:func:`sensitivity_of_identity_top`),
-less than the 2C a clip allows; ϑ is released unclipped with ``s = σΔ``. With one logit that is half
+less than the 2C a clip allows; ϑ is released unclipped with ``s = σΔ`` (where 2C < Δ, a small clip,
+the clipped release stays the tighter one). With one logit that is half
 the noise of ``2σC`` (C = 1) for the same ε: a passive party sees the same noise as before at about
 half the ε (``experiments/results/README.md`` measures the attacks at each ε).
 Batches are one permutation of the rows per pass, so a row is in exactly one release per
