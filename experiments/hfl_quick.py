@@ -9,8 +9,9 @@ the accuracies after a few rounds are a smoke signal, not a reproduction of the 
                                     [--out experiments/results/hfl_quick]
 
 torch's intra-op threads: ``--compute-threads``, else every CPU this process may use (affinity, cgroup
-quota), with OpenMP's idle threads asleep rather than spinning (``experiments/__init__.py``): 0.1 s a
-round idle on 2 cores, and no collapse beside an MPI job (``python -m experiments hfl_busy``).
+quota), with OpenMP's idle threads spinning only briefly before they sleep (``experiments/__init__.py``):
+0.12 s a round on the quiet 2-core machine, and no collapse beside an MPI job (``python -m experiments
+hfl_busy``).
 
 Outputs under ``--out``: ``metrics_<algorithm>.{jsonl,csv}``, ``summary.json`` (timing and final metrics).
 """
@@ -139,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = FLConfig(N_CLIENTS, CLIENTS_PER_ROUND, LOCAL_STEPS, LR_LOCAL, LR_GLOBAL)
     print(f"Fashion-MNIST {ds.n_train} train / {ds.n_test} test; {model}; N={N_CLIENTS} "
           f"S={CLIENTS_PER_ROUND} K={LOCAL_STEPS} B={BATCH}; torch threads={threads}, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
+          f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '(unset)')}")
 
     def simulation(name: str) -> FederatedSimulation:
         return FederatedSimulation(algorithms()[name](), model, data, config, batch_size=BATCH,
@@ -149,7 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            "batch": BATCH, "lr_local": LR_LOCAL, "lr_global": LR_GLOBAL,
                                            "model": repr(model), "seed": args.seed},
                                "torch_threads": threads,
-                               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}
+                               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+                               "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "")}
     if args.timing_rounds > 0:
         timed = {name: simulation(name) for name in ("fedavg", "scaffold", "scafcom")}
         naive = NaiveFedAvg(data, timed["fedavg"].server.x, args.seed)

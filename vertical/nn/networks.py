@@ -284,10 +284,8 @@ class MLPTop(TopModel):
 
         z_t = torch.as_tensor(z, dtype=self.dtype)
         g_params, g_z = vmap(grad(one, argnums=(0, 1)), in_dims=(None, 0, 0))(params, z_t, labels)
-        # the identity top's ϑ moves by exactly Δ with the label: unclipped, where Δ beats the clip's 2C
+        # an identity top's ϑ moves by exactly Δ with the label (protection.py decides if Δ beats 2C)
         exact = None if params else sensitivity_of_identity_top(self.k)
-        if exact is not None and exact > 2.0 * protection.clip:
-            exact = None
         theta = protection.release(g_z.to(torch.float64).numpy(), top_has_parameters=bool(params),
                                    sensitivity=exact)
         if self.optimizer is not None:

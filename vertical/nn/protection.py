@@ -72,10 +72,15 @@ class LabelProtection:
         rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         return cls(clip=float(clip), noise_multiplier=sigma, rng=rng, top_clip=top_clip, top_share=top_share)
 
+    def exact(self, sensitivity: float | None) -> float | None:
+        """The top's exact sensitivity where it is the tighter bound (Δ ≤ 2C), else None: clip."""
+        return sensitivity if sensitivity is not None and sensitivity <= 2.0 * self.clip else None
+
     def theta_std(self, top_has_parameters: bool, sensitivity: float | None = None) -> float:
-        """Std of the noise on each coordinate of a row's ϑ: ``σ·sensitivity`` where the top states how
-        far one label moves ϑ (the identity top), else ``2σC`` over the ϑ's share of the budget."""
-        if sensitivity is not None:
+        """Std of the noise on each coordinate of a row's ϑ: ``σ·Δ`` where the top states how far one
+        label moves ϑ (the identity top, ``sensitivity``) and that beats the clip, else ``2σC`` over the
+        ϑ's share of the budget."""
+        if self.exact(sensitivity) is not None:
             return self.noise_multiplier * sensitivity
         share = 1.0 - self.top_share if top_has_parameters else 1.0
         return 2.0 * self.noise_multiplier * self.clip / np.sqrt(share)
@@ -105,7 +110,7 @@ class LabelProtection:
         """ϑ̃: each row of ϑ clipped to C, plus noise; or, where the top gives ``sensitivity`` (the
         identity top, module docstring), ϑ unclipped plus noise of ``σ·sensitivity``."""
         theta = np.asarray(theta, dtype=np.float64)
-        if sensitivity is None:
+        if self.exact(sensitivity) is None:
             theta = theta * self.scales(np.einsum("bk,bk->b", theta, theta), self.clip)[:, None]
         return theta + self.noise(theta.shape, self.theta_std(top_has_parameters, sensitivity))
 
