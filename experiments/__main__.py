@@ -74,6 +74,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                       "--label-privacy he on a9a: packed against unpacked decryption, B = 256 and 1,024"),
     "label_dp_sim": ("experiments.label_dp_sim",
                      "he --epsilon's noise (on ϑ, on the gradient, RR labels) in one process, no HE"),
+    "label_dp_limit": ("experiments.label_dp_limit",
+                       "the accuracy a cap on every label attack (AUC) costs an ideal central learner"),
     "label_attacks": ("experiments.label_attacks",
                       "label inference by a curious passive party from its own transcript, per mode"),
     "default_step": ("experiments.bench_default_step",

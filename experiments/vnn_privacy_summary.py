@@ -35,6 +35,9 @@ SETTINGS = {
     "projection": "B 1024, γ 2e-2, decay 1",
     "projection-3epochs": "B 1024, γ 2e-2, decay 1, 3 epochs",
     "projection-linear-bottoms": "B 1024, γ 2e-2, decay 1, linear bottoms `*-1`",
+    "cap60": "B 1024, γ 2e-2, decay 1",
+    "lam1e-2": "B 1024, γ 2e-2, decay 1, --lam 1e-2",
+    "lam1e-3": "B 1024, γ 2e-2, decay 1, --lam 1e-3",
 }
 #: Tables run before the identity top's exact sensitivity (noise 2σ where it is now σ for one logit).
 CLIPPED_BOUND = {"", "decay1", "B1024"}
@@ -59,6 +62,7 @@ def read(folder: Path = OUT) -> list[dict]:
             runs.append({"dataset": dataset, "tag": tag, "setting": SETTINGS[tag],
                          "noise": "2σ (clipped bound)" if tag in CLIPPED_BOUND else "σ (exact)",
                          "epsilon": r["epsilon"], "points": 100 * (r["final_accuracy"] - plain[r["seed"]]),
+                         "plain": 100 * plain[r["seed"]],
                          "auc": r["direction_auc"], "projection": r.get("projection_auc"),
                          "load": r["load"]})
     return runs
@@ -68,8 +72,9 @@ def table(runs: list[dict]) -> str:
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         groups.setdefault((r["dataset"], r["tag"], r["epsilon"]), []).append(r)
-    lines = ["| dataset | table (tag) | setting | noise | ε | runs | Δ accuracy, mean (min–max) | "
-             "direction AUC | projection AUC | load |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| dataset | table (tag) | setting | noise | ε | runs | unprotected accuracy, mean | "
+             "Δ accuracy, mean (min–max) | direction AUC | projection AUC | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (dataset, tag, epsilon), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
         points = [r["points"] for r in rs]
         aucs = [r["auc"] for r in rs]
@@ -77,9 +82,36 @@ def table(runs: list[dict]) -> str:
         spread = f"{statistics.mean(points):+.2f} ({min(points):+.2f} to {max(points):+.2f})"
         projections = [r["projection"] for r in rs if r["projection"] is not None]
         projected = f"{min(projections):.3f}–{max(projections):.3f}" if projections else "not run"
+        plain = statistics.mean(r["plain"] for r in rs)
         lines.append(f"| {dataset} | {tag or '(none)'} | {rs[0]['setting']} | {rs[0]['noise']} | "
-                     f"{epsilon:g} | {len(rs)} | {spread} | {min(aucs):.3f}–{max(aucs):.3f} | {projected} | "
+                     f"{epsilon:g} | {len(rs)} | {plain:.2f} % | {spread} | "
+                     f"{min(aucs):.3f}–{max(aucs):.3f} | {projected} | "
                      f"{min(loads):.1f}–{max(loads):.1f} |")
+    return "\n".join(lines)
+
+
+def pooled(runs: list[dict]) -> str:
+    """The runs of one setting and ε pooled across tables (the same command on other days), with the
+    three yardsticks of the goal side by side: the issue's direction attack, the strongest attack run
+    (projection), and the AUC that label-DP's ε guarantees against any attack (5 passes, exact
+    sensitivity: :func:`experiments.label_dp_limit.runtime_cap`)."""
+    from experiments.label_dp_limit import runtime_cap
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        if r["noise"] == "σ (exact)" and "epochs" not in r["setting"]:
+            groups.setdefault((r["dataset"], r["setting"], r["epsilon"]), []).append(r)
+    lines = ["| dataset | setting | ε | runs (tables) | Δ accuracy, mean (min–max) | direction AUC | "
+             "projection AUC (runs) | any attack: AUC ≤ |", "|---|---|---|---|---|---|---|---|"]
+    for (dataset, setting, epsilon), rs in sorted(groups.items()):
+        points = [r["points"] for r in rs]
+        projections = [r["projection"] for r in rs if r["projection"] is not None]
+        projected = (f"{min(projections):.3f}–{max(projections):.3f} ({len(projections)})" if projections
+                     else "not run")
+        lines.append(f"| {dataset} | {setting} | {epsilon:g} | {len(rs)} ({len({r['tag'] for r in rs})}) | "
+                     f"{statistics.mean(points):+.2f} ({min(points):+.2f} to {max(points):+.2f}) | "
+                     f"{min(r['auc'] for r in rs):.3f}–{max(r['auc'] for r in rs):.3f} | {projected} | "
+                     f"{runtime_cap(epsilon, passes=5):.3f} |")
     return "\n".join(lines)
 
 
@@ -128,12 +160,17 @@ def main(argv: list[str] | None = None) -> None:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     runs = read()
     text = table(runs)
+    together = pooled(runs)
     (OUT / "privacy-summary.md").write_text(
         "Every protected run of `vnn_runtime --part privacy` (fresh noise), grouped by table and ε. "
         f"Goal: AUC ≤ {GOAL_AUC} at ≥ {GOAL_POINTS:+g} point. Command: `python -m experiments "
-        "vnn_privacy_summary`.\n\n" + text + "\n")
+        "vnn_privacy_summary`.\n\n" + text + "\n\n"
+        "## Pooled by setting and ε (5 epochs, exact sensitivity)\n\n"
+        "The same setting's runs from every table, and the AUC that ε guarantees against any attack "
+        "(label-DP's bound over 5 passes, an attacker who knows everything but the label).\n\n"
+        + together + "\n")
     plot(runs, OUT / "privacy-summary.png")
-    print(text)
+    print(text + "\n\n" + together)
 
 
 if __name__ == "__main__":

@@ -168,13 +168,18 @@ def accuracy(args, work: Path) -> list[dict]:
 def privacy(args, work: Path) -> list[dict]:
     rows = []
     common = ["-B", str(args.batch), "--gamma", str(args.gamma), "--gamma-decay", str(args.gamma_decay),
-              "--epochs", str(args.epochs),
+              "--epochs", str(args.epochs), "--lam", f"{args.lam:g}",
               "--bottom", args.bottom, "--top", args.top, "-P", str(args.inflight), "--audit"]
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for epsilon in [None, *args.epsilons]:
-            mode = "plain" if epsilon is None else f"dp-theta {args.theta_noise} ε={epsilon:g}"
-            extra = [] if epsilon is None else ["--label-privacy", "dp-theta", "--epsilon", f"{epsilon:g}",
-                                                "--theta-noise", args.theta_noise]
+            if epsilon is None:
+                mode, extra = "plain", []
+            elif args.mechanism == "dp":  # randomized response on the labels, drawn once per run
+                mode, extra = f"dp rr ε={epsilon:g}", ["--label-privacy", "dp", "--epsilon", f"{epsilon:g}"]
+            else:
+                mode = f"dp-theta {args.theta_noise} ε={epsilon:g}"
+                extra = ["--label-privacy", "dp-theta", "--epsilon", f"{epsilon:g}", "--theta-noise",
+                         args.theta_noise]
             load = _load()
             folder = work / f"{mode.replace(' ', '-')}-{seed}"
             records = _job(folder, args.dataset, args.parties, common + extra + ["--seed", str(seed)])
@@ -303,12 +308,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", default="*-*")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="privacy: seeds first-seed .. first-seed + seeds - 1 (more runs of a setting)")
     p.add_argument("--epsilons", type=float, nargs="+", default=[4.0, 8.0],
                    help="privacy: the label-DP budgets of the protected runs")
     p.add_argument("--theta-noise", choices=("fresh", "per-row"), default="fresh",
                    help="privacy: how the protected runs noise ϑ (vfl train --theta-noise)")
+    p.add_argument("--mechanism", choices=("dp-theta", "dp"), default="dp-theta",
+                   help="privacy: the protected runs' --label-privacy (dp: randomized response on labels)")
     p.add_argument("--gamma-decay", type=float, default=0.0,
                    help="privacy: Adam's step decays by whole epochs (vfl train --gamma-decay)")
+    p.add_argument("--lam", type=float, default=1e-4,
+                   help="privacy: every network's weight decay, plain and protected alike (vfl train --lam)")
     p.add_argument("--tag", default="",
                    help="appended to the output files' names, so that a variant keeps its own tables")
     args = p.parse_args(argv)
