@@ -1,0 +1,84 @@
+"""The dominator's key in a child process (protocols/label_he_key_process.py): the same exact gradients
+and the same refusals as the in-process key, no secret half in the parent, and a child that ends with
+its parent's pipe."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from protocols import label_he, label_he_pack
+from protocols.errors import ProtocolViolation
+from protocols.label_he_key_process import KeyProcess
+from vertical.algorithms.vfb2 import Block
+
+pytest.importorskip("heu")
+
+
+@pytest.fixture(scope="module")
+def key():
+    return KeyProcess("ou", 2048)
+
+
+def _block(rng: np.random.Generator) -> Block:
+    X = sp.random(40, 6, density=0.5, random_state=rng, format="csr")
+    X.data[:] = rng.uniform(-2, 2, X.data.size)
+    return Block.from_matrix(X)
+
+
+def test_gradients_through_the_key_process_are_exact_packed_and_unpacked(key):
+    rng = np.random.default_rng(0)
+    block, rows, thetas = _block(rng), rng.choice(40, 20, replace=False), rng.uniform(-1, 1, 20)
+    truth = block.to_csr()[rows].T @ thetas
+    plain = label_he.BlockGradient(0, key.public_bytes(), block=block)
+    unpacked = plain.unmask(key.decrypt_masked(1, plain.masked(key.encrypt(thetas), rows), batch=20))
+    packed_party = label_he_pack.PackedBlockGradient(0, key.public_bytes(), block=block, batch=20)
+    reply = label_he_pack.decrypt_packed(key, 1, packed_party.masked_packed(key.encrypt(thetas), rows), 20,
+                                         packed_party.layout)
+    packed = packed_party.unmask_packed(reply)
+    assert np.array_equal(unpacked, packed)  # packing is exact: the same fixed-point sums
+    np.testing.assert_allclose(unpacked, truth, atol=1e-6)
+    assert np.abs(truth).max() > 0.1
+
+
+def test_the_key_process_refuses_what_the_in_process_key_refuses_naming_the_sender(key):
+    thetas = np.linspace(-1, 1, 20)
+    with pytest.raises(ProtocolViolation, match=r"^party 3 sent an invalid masked gradient: 20 values for a "
+                                                r"batch of 20: B must exceed"):
+        key.decrypt_masked(3, key.encrypt(thetas), batch=20)  # the batch's own ciphertexts: would solve ϑ
+    with pytest.raises(ProtocolViolation, match=r"^party 2 sent an invalid masked gradient: not a cipher"):
+        key.decrypt_masked(2, bytes(300), batch=20)
+    with pytest.raises(ProtocolViolation, match=r"^party 1 sent an invalid masked gradient: 0 bytes"):
+        key.decrypt_masked(1, b"", batch=20)
+    block = _block(np.random.default_rng(1))  # still answers honest replies afterwards
+    party = label_he.BlockGradient(0, key.public_bytes(), block=block)
+    assert party.unmask(key.decrypt_masked(1, party.masked(key.encrypt(thetas), np.arange(20)), 20)).size == 6
+
+
+def test_requests_from_several_threads_at_once_each_get_their_own_answer(key):
+    """The dominator's decryption threads share the child, several requests in flight."""
+    rng = np.random.default_rng(3)
+    blocks = [_block(rng) for _ in range(4)]
+    parties = [label_he.BlockGradient(0, key.public_bytes(), block=b) for b in blocks]
+    thetas = rng.uniform(-1, 1, 20)
+    payload = key.encrypt(thetas)
+    replies = [p.masked(payload, np.arange(20)) for p in parties]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda r: key.decrypt_masked(1, r, batch=20), replies * 3))
+    for k, (party, block) in enumerate(zip(parties, blocks, strict=True)):
+        assert all(np.array_equal(answers[k], answers[k + 4 * t]) for t in range(3))
+        np.testing.assert_allclose(party.unmask(answers[k]), block.to_csr()[:20].T @ thetas, atol=1e-6)
+
+
+def test_the_parent_holds_no_secret_key_and_the_child_ends_with_its_pipe():
+    key = KeyProcess("ou", 2048)
+    assert not hasattr(key, "_decryptor")
+    assert not hasattr(key._kit, "decryptor")  # a kit from the public key alone: nothing to decrypt with
+    os.close(key._to_child)  # what the rank's exit does, however it exits
+    assert key._child.wait(timeout=30) == 0
+    with pytest.raises(RuntimeError, match="the HE key process ended"):
+        key._answer()
