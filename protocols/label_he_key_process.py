@@ -5,9 +5,10 @@ party's masked gradient (its communication thread) stopped the dominated loop, w
 are the job's serial path; on a loaded machine a decryption call waits for cores while holding the GIL,
 and the measured epoch was mostly that wait (docs/label-privacy.md, "Where an epoch's time goes").
 :class:`KeyProcess` is a :class:`~protocols.label_he.LabelKey` whose key pair is generated in, and never
-leaves, a child process it starts (a plain ``subprocess`` with two pipes: nothing is forked from the MPI
-rank); the parent encrypts with the public key and sends each reply's bytes to the child to decrypt,
-waiting on a pipe read, which releases the GIL.
+leaves, a child process (a plain ``subprocess`` with two pipes: nothing is forked from the MPI rank),
+started by protocols/label_he_key_spawn.py as early in the rank as its plan allows; the parent encrypts
+with the public key and sends each reply's bytes to the child to decrypt, waiting on a pipe read, which
+releases the GIL.
 
 The child (``python -m protocols.label_he_key_process READ_FD WRITE_FD SCHEME KEY_BITS``) checks every
 payload as :meth:`LabelKey.decrypt` does (length, parse, count) before the library decrypts it, and
@@ -24,13 +25,12 @@ from __future__ import annotations
 import collections
 import os
 import struct
-import subprocess
 import sys
 import threading
-from pathlib import Path
 
 from protocols import label_he
 from protocols.errors import ProtocolViolation
+from protocols.label_he_key_spawn import Child, take
 
 _HEADER = struct.Struct("<QQ")
 _REQUEST = struct.Struct("<QQQ")
@@ -54,16 +54,6 @@ def _value_bytes(key_bits: int) -> int:
     return key_bits // 8 + 1
 
 
-def _child_environment(root: str) -> dict[str, str]:
-    """The rank's environment without what would make the child an MPI process: the ``protocols``
-    package imports mpi4py, which would initialise MPI from the launcher's PMI variables and fail (or
-    join the job); the child neither initialises MPI nor sees those variables."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_"))}
-    env["MPI4PY_RC_INITIALIZE"] = "false"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    return env
-
-
 class _Slot:
     """One request's place in line for its answer."""
     answer: tuple[int, bytes] | None = None
@@ -72,19 +62,13 @@ class _Slot:
 class KeyProcess(label_he.LabelKey):
     """A dominator's key whose secret half lives in a child process (module doc); encrypts here."""
 
-    def __init__(self, scheme: str = "ou", key_bits: int = 2048) -> None:
+    def __init__(self, scheme: str = "ou", key_bits: int = 2048, child: Child | None = None) -> None:
+        """A key of ``child`` (label_he_key_spawn.py), by default the one this rank started early, else
+        a new one; waits for its public half."""
         if scheme not in label_he.SCHEMES or key_bits not in label_he.KEY_BITS:
             raise ValueError(f"HE scheme must be one of {label_he.SCHEMES} with {label_he.KEY_BITS} bits, "
                              f"got {scheme!r} with {key_bits}")
-        to_child, self._to_child = os.pipe()
-        self._from_child, from_child = os.pipe()
-        root = str(Path(__file__).resolve().parents[1])
-        env = _child_environment(root)
-        self._child = subprocess.Popen(
-            [sys.executable, "-m", "protocols.label_he_key_process", str(to_child), str(from_child), scheme,
-             str(key_bits)], pass_fds=(to_child, from_child), env=env, cwd=root, stdin=subprocess.DEVNULL)
-        os.close(to_child)
-        os.close(from_child)
+        self._child, self._to_child, self._from_child = child if child is not None else take(scheme, key_bits)
         #: requests go out under one lock, answers come back in the same order under another: several
         #: may be in flight (one per decryption thread), so the child always has the next one queued
         self._write_lock, self._read_lock = threading.Lock(), threading.Lock()
@@ -146,7 +130,11 @@ def main(argv: list[str]) -> None:
         while data:
             data = data[os.write(write_fd, data):]
 
-    key = label_he.LabelKey(scheme, key_bits)
+    try:
+        key = label_he.LabelKey(scheme, key_bits)
+    except ValueError as err:  # a scheme or size the parent's plan had wrong: its start reports it
+        send(_REFUSED, str(err).encode())
+        return
     send(_OK, key.public_bytes())
     while (header := _read_exactly(read_fd, _REQUEST.size)) is not None:
         most, text_length, length = _REQUEST.unpack(header)

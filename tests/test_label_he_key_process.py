@@ -1,6 +1,7 @@
 """The dominator's key in a child process (protocols/label_he_key_process.py): the same exact gradients
-and the same refusals as the in-process key, no secret half in the parent, and a child that ends with
-its parent's pipe."""
+and the same refusals as the in-process key, no secret half in the parent, a child that ends with its
+parent's pipe, and a child started early (protocols/label_he_key_spawn.py) by the ranks that will
+dominate under he, and only by them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from protocols import label_he, label_he_pack
+from parties import rank as rank_entry
+from protocols import label_he, label_he_key_spawn, label_he_pack
 from protocols.errors import ProtocolViolation
 from protocols.label_he_key_process import KeyProcess
 from vertical.algorithms.vfb2 import Block
@@ -20,8 +22,15 @@ pytest.importorskip("heu")
 
 
 @pytest.fixture(scope="module")
-def key():
-    return KeyProcess("ou", 2048)
+def children():
+    """Two key processes started at once, their keys made side by side (1-5 s each): the tests' shared
+    one, and one the end-of-pipe test closes."""
+    return [label_he_key_spawn.spawn("ou", 2048) for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def key(children):
+    return KeyProcess("ou", 2048, child=children[0])
 
 
 def _block(rng: np.random.Generator) -> Block:
@@ -74,11 +83,44 @@ def test_requests_from_several_threads_at_once_each_get_their_own_answer(key):
         np.testing.assert_allclose(party.unmask(answers[k]), block.to_csr()[:20].T @ thetas, atol=1e-6)
 
 
-def test_the_parent_holds_no_secret_key_and_the_child_ends_with_its_pipe():
-    key = KeyProcess("ou", 2048)
+def test_the_parent_holds_no_secret_key_and_the_child_ends_with_its_pipe(children):
+    key = KeyProcess("ou", 2048, child=children[1])
     assert not hasattr(key, "_decryptor")
     assert not hasattr(key._kit, "decryptor")  # a kit from the public key alone: nothing to decrypt with
     os.close(key._to_child)  # what the rank's exit does, however it exits
     assert key._child.wait(timeout=30) == 0
     with pytest.raises(RuntimeError, match="the HE key process ended"):
         key._answer()
+
+
+def test_a_child_started_early_is_taken_once_then_a_new_one_is_started(monkeypatch):
+    started = []
+    monkeypatch.setattr(label_he_key_spawn, "spawn", lambda scheme, bits: started.append((scheme, bits)) or
+                        len(started))
+    assert label_he_key_spawn.start_early("paillier", 3072)
+    assert not label_he_key_spawn.start_early("paillier", 3072)  # one waits already
+    assert label_he_key_spawn.take("ou", 2048) == 2  # not the one started for another key
+    assert label_he_key_spawn.take("paillier", 3072) == 1  # the early one
+    assert label_he_key_spawn.take("paillier", 3072) == 3  # taken once: then a new one
+    assert started == [("paillier", 3072), ("ou", 2048), ("paillier", 3072)]
+
+
+@pytest.mark.parametrize(("plan", "expected"), [
+    ({"label_privacy": "he", "he_scheme": "paillier", "he_key_bits": 4096, "active": 1},
+     [("paillier", 4096)]),
+    ({"label_privacy": "he", "he_scheme": "ou", "he_key_bits": 2048, "active": 0}, []),  # rank 0 passive
+    ({"label_privacy": "dp", "he_scheme": "ou", "he_key_bits": 2048, "active": 1}, []),
+    ({"label_privacy": "he", "he_scheme": "ou", "he_key_bits": "2048", "active": 1}, []),  # JobPlan says why
+    ({"label_privacy": "he"}, []),
+    ([], []),
+])
+def test_a_rank_starts_its_key_process_first_only_when_it_will_dominate_under_he(monkeypatch, plan, expected):
+    """parties/rank.py reads the plan raw, before its imports; a plan it cannot read starts nothing."""
+    started = []
+    monkeypatch.setattr(label_he_key_spawn, "start_early", lambda scheme, bits: started.append((scheme, bits))
+                        or True)
+    import json
+
+    assert rank_entry.start_he_key_early(json.dumps(plan)) == bool(expected)  # this process is rank 0
+    assert rank_entry.start_he_key_early("{not json") is False
+    assert started == expected

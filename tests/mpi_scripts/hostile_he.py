@@ -24,9 +24,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from mpi4py import MPI
+
+from protocols.label_he_key_spawn import start_early
+
+if MPI.COMM_WORLD.Get_rank() == 0:  # its key made during the imports below, as in parties/rank.py
+    start_early("ou" if sys.argv[1] == "passive" or sys.argv[3:4] == ["ou"] else "paillier", 2048)
+
 import gmpy2
 import numpy as np
-from mpi4py import MPI
 
 from parties import label_plane
 from parties.runtime import PartyRuntime, PartyState, RuntimeOptions

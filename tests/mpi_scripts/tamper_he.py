@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
 from mpi4py import MPI
+
+from protocols.label_he_key_spawn import start_early
+
+if MPI.COMM_WORLD.Get_rank() == 0:  # its key made during the imports below, as in parties/rank.py
+    start_early("ou", 2048)
+
+import numpy as np
 
 from parties.runtime import PartyRuntime, RuntimeOptions
 from protocols.label_he import Pending
