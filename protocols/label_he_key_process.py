@@ -10,7 +10,7 @@ started by protocols/label_he_key_spawn.py as early in the rank as its plan allo
 with the public key and sends each reply's bytes to the child to decrypt, waiting on a pipe read, which
 releases the GIL.
 
-The child (``python -m protocols.label_he_key_process READ_FD WRITE_FD SCHEME KEY_BITS``) checks every
+The child (:func:`main`, started by label_he_key_spawn.py) checks every
 payload as :meth:`LabelKey.decrypt` does (length, parse, count) before the library decrypts it, and
 answers a failure with its one-line reason, which the parent raises as the
 :class:`~protocols.errors.ProtocolViolation` naming the sender. Frames: a request is ``[most, text
@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import os
 import struct
-import sys
 import threading
 
 from protocols import label_he
@@ -144,6 +143,3 @@ def main(argv: list[str]) -> None:
         what, why = text.decode().split("\n", 1)
         send(*_decrypt(key, payload, int(most), what, why))
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -6,7 +6,12 @@ dominate under he, and only by them."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +21,7 @@ from parties import rank as rank_entry
 from protocols import label_he, label_he_key_spawn, label_he_pack
 from protocols.errors import ProtocolViolation
 from protocols.label_he_key_process import KeyProcess
+from tests.conftest import REPO_ROOT
 from vertical.algorithms.vfb2 import Block
 
 pytest.importorskip("heu")
@@ -124,3 +130,39 @@ def test_a_rank_starts_its_key_process_first_only_when_it_will_dominate_under_he
     assert rank_entry.start_he_key_early(json.dumps(plan)) == bool(expected)  # this process is rank 0
     assert rank_entry.start_he_key_early("{not json") is False
     assert started == expected
+
+
+def test_a_tied_child_dies_with_its_parent():
+    """A rank that ends while its key process still makes the key must not leave it holding the rank's
+    output (mpiexec waits for every holder): the child is killed with the rank."""
+    child = ("import sys, time; from protocols.label_he_key_spawn import die_with; "
+             "die_with(int(sys.argv[1])); print('tied', flush=True); time.sleep(60)")
+    parent = ("import os, subprocess, sys; c = subprocess.Popen([sys.executable, '-c', sys.argv[1], "
+              "str(os.getpid())], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True); "
+              "print(c.pid, c.stdout.readline().strip(), flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", parent, child], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, check=True).stdout.split()
+    assert out[1] == "tied"
+    deadline = time.monotonic() + 10
+    while _alive(int(out[0])) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(int(out[0]))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_only_the_main_thread_ties_its_child(monkeypatch):
+    """The parent-death signal follows the thread that started the child: one started elsewhere (a
+    runtime built in a thread) must not die when that thread ends."""
+    seen = []
+    monkeypatch.setattr(label_he_key_spawn.subprocess, "Popen", lambda args, **_: seen.append(args[-1]))
+    label_he_key_spawn.spawn("ou", 2048)
+    worker = threading.Thread(target=label_he_key_spawn.spawn, args=("ou", 2048))
+    worker.start()
+    worker.join()
+    assert seen == [str(os.getpid()), "0"]
