@@ -8,16 +8,14 @@ under ``--label-privacy he`` calls :func:`start_early` first thing (``parties/ra
 joins the others; :class:`~protocols.label_he_key_process.KeyProcess` then :func:`take`\\ s that child.
 
 This module imports only the standard library, so that starting the child costs the rank nothing
-before its own imports; it is also the child's entry (``python -m protocols.label_he_key_spawn
-READ_FD WRITE_FD SCHEME KEY_BITS PARENT``), which first ties the child's life to the rank's
-(:func:`die_with`) and then runs :func:`protocols.label_he_key_process.main`. Nothing here is
-secret: the key pair is generated in the child, and only its public half ever comes back.
+before its own imports. The child's entry is protocols/label_he_key_child.py, which ties the child's
+life to the rank's before its own imports. Nothing here is secret: the key pair is generated in the
+child, and only its public half ever comes back.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -50,14 +48,14 @@ def spawn(scheme: str, key_bits: int) -> Child:
     """Start a key process for a ``scheme`` key of ``key_bits`` bits (a plain ``subprocess`` with two
     pipes: nothing is forked from the MPI rank); it generates the key pair at once and writes its public
     half, which :class:`KeyProcess` reads. Started from the main thread, the child dies with this
-    process (:func:`die_with`); from another thread it would die with that thread, so it is not tied
+    process (label_he_key_child.py); from another thread it would die with that thread, so it is not tied
     and ends when its input closes."""
     to_child, parent_writes = os.pipe()
     parent_reads, from_child = os.pipe()
     root = str(Path(__file__).resolve().parents[1])
     tie = os.getpid() if threading.current_thread() is threading.main_thread() else 0
     process = subprocess.Popen(
-        [sys.executable, "-m", "protocols.label_he_key_spawn", str(to_child), str(from_child), scheme,
+        [sys.executable, "-m", "protocols.label_he_key_child", str(to_child), str(from_child), scheme,
          str(key_bits), str(tie)], pass_fds=(to_child, from_child), env=_child_environment(root), cwd=root,
         stdin=subprocess.DEVNULL)
     os.close(to_child)
@@ -83,25 +81,3 @@ def take(scheme: str, key_bits: int) -> Child:
     early = _early.pop((scheme, key_bits), None)
     return early if early is not None else spawn(scheme, key_bits)
 
-
-def die_with(parent: int) -> None:
-    """The child: SIGKILL when ``parent`` ends (Linux's parent-death signal; parties/orphans.py ties
-    the ranks the same way), and end now if it already has. Why: the child holds the rank's standard
-    error, and ``mpiexec`` waits for every holder of a rank's output, so a rank that ended while its
-    child still generated a key would hold its job's end for seconds."""
-    if sys.platform.startswith("linux"):
-        import contextlib
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(0)
-
-
-if __name__ == "__main__":
-    if int(sys.argv[5]):
-        die_with(int(sys.argv[5]))
-    from protocols.label_he_key_process import main
-
-    main(sys.argv[1:5])

@@ -135,7 +135,7 @@ def test_a_rank_starts_its_key_process_first_only_when_it_will_dominate_under_he
 def test_a_tied_child_dies_with_its_parent():
     """A rank that ends while its key process still makes the key must not leave it holding the rank's
     output (mpiexec waits for every holder): the child is killed with the rank."""
-    child = ("import sys, time; from protocols.label_he_key_spawn import die_with; "
+    child = ("import sys, time; from protocols.label_he_key_child import die_with; "
              "die_with(int(sys.argv[1])); print('tied', flush=True); time.sleep(60)")
     parent = ("import os, subprocess, sys; c = subprocess.Popen([sys.executable, '-c', sys.argv[1], "
               "str(os.getpid())], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True); "
