@@ -5,7 +5,13 @@ Setting (the SCAFCOM paper's Section 6): MLP 784-256-128-10, N = 200 clients hol
 each, S = 20, K = 10, batch 32, float32. The learning rates are fixed, not tuned (η_l = 0.1, η_g = 1), so
 the accuracies after a few rounds are a smoke signal, not a reproduction of the papers' figures.
 
-    python -m experiments.hfl_quick [--rounds 5] [--timing-rounds 10] [--out experiments/results/hfl_quick]
+    python -m experiments.hfl_quick [--rounds 5] [--timing-rounds 10] [--compute-threads N]
+                                    [--out experiments/results/hfl_quick]
+
+torch's intra-op threads: ``--compute-threads``, else every CPU this process may use (affinity, cgroup
+quota), with OpenMP's idle threads spinning only briefly before they sleep (``experiments/__init__.py``):
+0.12 s a round on the quiet 2-core machine, and no collapse beside an MPI job (``python -m experiments
+hfl_busy``).
 
 Outputs under ``--out``: ``metrics_<algorithm>.{jsonl,csv}``, ``summary.json`` (timing and final metrics).
 """
@@ -34,6 +40,7 @@ from horizontal import (
     make_algorithm,
     shard_partition,
 )
+from parties.threads import available_cpus
 from protocols.compression import get_compressor
 from vertical.datasets import load
 
@@ -55,6 +62,21 @@ def algorithms() -> dict[str, Callable[[], Algorithm[Any, Any]]]:
         "scafcom": lambda: make_algorithm("scafcom", compressor=get_compressor("top-r", r=0.01), beta=0.2),
         "fed-ef": lambda: make_algorithm("fed-ef", compressor=get_compressor("top-r", r=0.01)),
     }
+
+
+def apply_threads(override: int | None) -> int:
+    """torch's intra-op threads for this one process: ``override``, else the CPUs it may use (its affinity
+    cut to its cgroup's quota, ``parties/threads.py``: the rule of a rank alone on its host)."""
+    threads = override if override is not None else available_cpus()
+    torch.set_num_threads(threads)
+    return threads
+
+
+def positive(text: str) -> int:
+    """argparse type: an integer of at least 1 (one line of error otherwise)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer of at least 1 (got {text!r})")
+    return int(text)
 
 
 class NaiveFedAvg:
@@ -104,8 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="training rounds per algorithm (0: timing only)")
     parser.add_argument("--timing-rounds", type=int, default=10, help="rounds timed per variant (0: skip)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compute-threads", type=positive, default=None, metavar="N",
+                        help="torch's intra-op threads (default: every CPU this process may use)")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/hfl_quick"))
     args = parser.parse_args(argv)
+    threads = apply_threads(args.compute_threads)
 
     ds = load("fashion-mnist")
     parts = shard_partition(ds.y_train, N_CLIENTS, 2, np.random.default_rng(args.seed))
@@ -114,7 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = MLP(ds.n_features, (256, 128), 10)
     config = FLConfig(N_CLIENTS, CLIENTS_PER_ROUND, LOCAL_STEPS, LR_LOCAL, LR_GLOBAL)
     print(f"Fashion-MNIST {ds.n_train} train / {ds.n_test} test; {model}; N={N_CLIENTS} "
-          f"S={CLIENTS_PER_ROUND} K={LOCAL_STEPS} B={BATCH}; torch threads={torch.get_num_threads()}")
+          f"S={CLIENTS_PER_ROUND} K={LOCAL_STEPS} B={BATCH}; torch threads={threads}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
+          f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '(unset)')}")
 
     def simulation(name: str) -> FederatedSimulation:
         return FederatedSimulation(algorithms()[name](), model, data, config, batch_size=BATCH,
@@ -122,7 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     summary: dict[str, Any] = {"setting": {"N": N_CLIENTS, "S": CLIENTS_PER_ROUND, "K": LOCAL_STEPS,
                                            "batch": BATCH, "lr_local": LR_LOCAL, "lr_global": LR_GLOBAL,
-                                           "model": repr(model), "seed": args.seed}}
+                                           "model": repr(model), "seed": args.seed},
+                               "torch_threads": threads,
+                               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+                               "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "")}
     if args.timing_rounds > 0:
         timed = {name: simulation(name) for name in ("fedavg", "scaffold", "scafcom")}
         naive = NaiveFedAvg(data, timed["fedavg"].server.x, args.seed)

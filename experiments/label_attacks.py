@@ -17,6 +17,9 @@ The attacks a passive party can run on its own transcript with no help (usable a
   a binary task point along opposite directions (exactly, for a linear top), so each row is scored by
   the cosine of its ϑ with the batch's leading direction, oriented by the few rows whose labels the
   attacker knows (``known``), else from one batch to the next.
+* ``theta_projection``: the same without the cosine's division by ‖ϑ‖, each row's mean projection on
+  the batch direction. Against fresh noise it is the stronger of the two: the cosine of a one-logit ϑ
+  is only its sign, so a row's passes vote, where the projections' mean averages the noise away.
 * ``model_completion`` (Fu et al., USENIX Security 2022): the party fits a head on its own bottom's
   embeddings of a few labelled rows and predicts the rest; compare it with the same head on its raw
   features, which it could fit without the federation.
@@ -140,6 +143,20 @@ def theta_direction(t: Transcript, n_rows: int, known: tuple[np.ndarray, np.ndar
     labels), or without any, from the length heuristic of :func:`theta_norm` (the side whose ϑ's are
     longer is +1, the minority class). Scores are centred at their :func:`two_means_split`: with a
     nonlinear top the two classes' cosines need not straddle 0, though they separate."""
+    return _along_the_direction(t, n_rows, known, cosine=True)
+
+
+def theta_projection(t: Transcript, n_rows: int, known: tuple[np.ndarray, np.ndarray] | None = None
+                     ) -> np.ndarray:
+    """:func:`theta_direction` without the division by ‖ϑ‖: each row's mean projection on its batches'
+    leading direction. Against fresh Gaussian noise this is the stronger attack: a cosine keeps only
+    the sign of a one-logit ϑ, so a row's passes vote, while the mean of the projections averages the
+    noise away as the accountant assumes an attacker would (with one logit it is −mean(ϑ), the
+    sufficient statistic of a row's releases if its ϑ stayed put)."""
+    return _along_the_direction(t, n_rows, known, cosine=False)
+
+
+def _along_the_direction(t: Transcript, n_rows: int, known, cosine: bool) -> np.ndarray:
     previous, pieces, norms = None, [], []
     for rows, theta in theta_batches(t):
         direction = np.linalg.svd(theta, full_matrices=False)[2][0]
@@ -147,8 +164,11 @@ def theta_direction(t: Transcript, n_rows: int, known: tuple[np.ndarray, np.ndar
             direction = -direction
         previous = direction
         length = np.linalg.norm(theta, axis=1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            pieces.append((rows, np.where(length > 0, theta @ direction / length, 0.0)))
+        if cosine:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                pieces.append((rows, np.where(length > 0, theta @ direction / length, 0.0)))
+        else:
+            pieces.append((rows, theta @ direction))
         norms.append((rows, length))
     scores = _mean_per_row(n_rows, pieces)
     if not np.isfinite(scores).any():
@@ -237,7 +257,10 @@ def full_gradient(t: Transcript, n_rows: int, X=None) -> np.ndarray:
 
 
 ATTACKS = {"theta_sign": theta_sign, "full_theta": full_theta, "batch_gradient": batch_gradient,
-           "full_gradient": full_gradient, "theta_norm": theta_norm, "theta_direction": theta_direction}
+           "full_gradient": full_gradient, "theta_norm": theta_norm, "theta_direction": theta_direction,
+           "theta_projection": theta_projection}
+#: The attacks oriented by the few labels the attacker knows.
+ORIENTED = ("theta_direction", "theta_projection")
 #: The attacks that need the party's own training block X_l.
 NEEDS_FEATURES = ("batch_gradient", "full_gradient")
 
@@ -261,9 +284,9 @@ def attack_all(transcript_path: str | Path, y: np.ndarray, X=None, known: tuple 
                ) -> dict[str, dict[str, float]]:
     """Every attack on one party's transcript; those that need the party's own training block
     (:data:`NEEDS_FEATURES`) only when ``X`` is given; ``known`` (rows, ±1 labels) orients
-    :func:`theta_direction`."""
+    :data:`ORIENTED`."""
     t = Transcript.load(transcript_path)
-    found = {name: judge(attack(t, y.size, known) if name == "theta_direction" else attack(t, y.size), y)
+    found = {name: judge(attack(t, y.size, known) if name in ORIENTED else attack(t, y.size), y)
              for name, attack in ATTACKS.items() if name not in NEEDS_FEATURES}
     if X is not None:
         found.update({name: judge(ATTACKS[name](t, y.size, X), y) for name in NEEDS_FEATURES})

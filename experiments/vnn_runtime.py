@@ -167,7 +167,8 @@ def accuracy(args, work: Path) -> list[dict]:
 
 def privacy(args, work: Path) -> list[dict]:
     rows = []
-    common = ["-B", str(args.batch), "--gamma", str(args.gamma), "--epochs", str(args.epochs),
+    common = ["-B", str(args.batch), "--gamma", str(args.gamma), "--gamma-decay", str(args.gamma_decay),
+              "--epochs", str(args.epochs),
               "--bottom", args.bottom, "--top", args.top, "-P", str(args.inflight), "--audit"]
     for seed in range(args.seeds):
         for epsilon in [None, *args.epsilons]:
@@ -188,7 +189,14 @@ def privacy(args, work: Path) -> list[dict]:
 def _attacks(out: Path, rank: int, seed: int) -> dict[str, float]:
     """The attacks of a curious passive party ``rank`` on its own transcript and its own trained network
     (read from its own folder, as the party itself could), with 1 % of the labels known."""
-    from experiments.label_attacks import Transcript, judge, model_completion, theta_direction, theta_norm
+    from experiments.label_attacks import (
+        Transcript,
+        judge,
+        model_completion,
+        theta_direction,
+        theta_norm,
+        theta_projection,
+    )
     from parties.checkpoint import complete_epochs, load_checkpoint
     from parties.loading import load_party
     from parties.party_model import NetworkPart
@@ -200,6 +208,7 @@ def _attacks(out: Path, rank: int, seed: int) -> dict[str, float]:
     known_rows = rng.choice(y.size, size=max(20, y.size // 100), replace=False)
     transcript = Transcript.load(out / f"audit-{rank}.npz")
     direction = judge(theta_direction(transcript, y.size, (known_rows, y[known_rows])), y)
+    projection = judge(theta_projection(transcript, y.size, (known_rows, y[known_rows])), y)
     norm = judge(theta_norm(transcript, y.size), y)
     party = load_party(plan, rank)
     part = NetworkPart(party)
@@ -209,6 +218,7 @@ def _attacks(out: Path, rank: int, seed: int) -> dict[str, float]:
     completion = judge(model_completion(part.embed(party.block.to_csr()), known_rows, y[known_rows]), y)
     auc = lambda r: max(r["auc"], 1 - r["auc"])  # noqa: E731 - either way round, as the attacker may flip
     return {"direction_accuracy": direction["accuracy"], "direction_auc": auc(direction),
+            "projection_auc": auc(projection),
             "norm_auc": auc(norm), "completion_auc": auc(completion), "coverage": direction["coverage"]}
 
 
@@ -247,18 +257,20 @@ def _write_privacy(rows: list[dict], name: str) -> None:
     from experiments import _plotting
 
     lines = ["| dataset | seed | mode | test accuracy | Δ vs plain (points) | direction: accuracy, AUC | "
-             "norm AUC | model completion AUC | training s | load | CPU |", "|---" * 11 + "|"]
+             "projection AUC | norm AUC | model completion AUC | training s | load | CPU |",
+             "|---" * 12 + "|"]
     plain = {r["seed"]: r["final_accuracy"] for r in rows if r["epsilon"] is None}
     for r in rows:
         lines.append(f"| {r['dataset']} | {r['seed']} | {r['mode']} | {r['final_accuracy']:.4f} | "
                      f"{100 * (r['final_accuracy'] - plain[r['seed']]):+.2f} | "
                      f"{100 * r['direction_accuracy']:.1f} %, {r['direction_auc']:.3f} | "
-                     f"{r['norm_auc']:.3f} | "
+                     f"{r.get('projection_auc', float('nan')):.3f} | {r['norm_auc']:.3f} | "
                      f"{r['completion_auc']:.3f} | {r['train_time']:.1f} | {r['load']} | {r['cpu']} |")
     (OUT / f"{name}.md").write_text("\n".join(lines) + "\n")
     plt = _plotting.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    colours = {"direction_auc": "tab:red", "norm_auc": "tab:orange", "completion_auc": "tab:purple"}
+    colours = {"direction_auc": "tab:red", "projection_auc": "tab:brown", "norm_auc": "tab:orange",
+               "completion_auc": "tab:purple"}
     for key, colour in colours.items():
         ax.scatter([100 * r["final_accuracy"] for r in rows], [r[key] for r in rows], color=colour,
                    label=key.replace("_auc", "").replace("completion", "model completion"))
@@ -295,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="privacy: the label-DP budgets of the protected runs")
     p.add_argument("--theta-noise", choices=("fresh", "per-row"), default="fresh",
                    help="privacy: how the protected runs noise ϑ (vfl train --theta-noise)")
+    p.add_argument("--gamma-decay", type=float, default=0.0,
+                   help="privacy: Adam's step decays by whole epochs (vfl train --gamma-decay)")
     p.add_argument("--tag", default="",
                    help="appended to the output files' names, so that a variant keeps its own tables")
     args = p.parse_args(argv)

@@ -294,9 +294,9 @@ class RunConfig:
                            "stands for either end); one width (e.g. '1' with k = 1) is the identity")
     theta_noise: str = option(
         "fresh", "--theta-noise", choices=("fresh", "per-row"),
-        help="--label-privacy dp-theta: fresh (each release of a row's ϑ clipped to 1 with new noise, "
-             "composed over the passes; any top) or per-row (one noise draw per row for the whole run, "
-             "one release's ε; identity top only: docs/vertical-networks.md)")
+        help="--label-privacy dp-theta: fresh (each release of a row's ϑ with new noise, clipped to 1 "
+             "under a top with parameters, composed over the passes; any top) or per-row (one noise draw "
+             "per row for the whole run, one release's ε; identity top only: docs/vertical-networks.md)")
     audit: bool = option(False, "--audit", budget=True,
                          help="each party records every message it receives to audit-<rank>.npz in its "
                               "own folder (--party-dir, default --out)")

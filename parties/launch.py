@@ -121,7 +121,8 @@ def prepare(options: RunConfig, *, given: frozenset[str] | None = None, echo: bo
     plan = resolve(options)
     if echo and plan.noise_multiplier:
         what = ("every ϑ is encrypted with Gaussian noise of" if plan.label_privacy != "dp-theta" else
-                "each row's ϑ is clipped to norm 1 and released with Gaussian noise of noise multiplier"
+                "each row's ϑ is clipped to norm 1 (an identity top: unclipped, at its exact "
+                "sensitivity) and released with Gaussian noise of noise multiplier"
                 if plan.options.theta_noise == "fresh" else
                 "each row gets one Gaussian draw, added to its every ϑ, of noise multiplier")
         print(f"vfl train: label-DP ε = {plan.epsilon:g}, δ = {plan.delta:g}: {what} σ = "

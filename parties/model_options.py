@@ -11,9 +11,10 @@ meaning something else:
   of their own);
 * classification (``--problem logistic``): binary labels (±1) give one logit and the logistic loss,
   class labels 0..C−1 (a multiclass dataset, e.g. Fashion-MNIST) C logits and softmax cross-entropy;
-* no ``--label-privacy he``, no ``--gamma-decay``, no f*: encrypted ϑ, a decaying step and the NonF
-  optimum are the linear model's (randomized-response label DP, ``dp``, works unchanged: the labels are
-  noised where they are loaded).
+* no ``--label-privacy he``, no f*: encrypted ϑ and the NonF optimum are the linear model's
+  (randomized-response label DP, ``dp``, works unchanged: the labels are noised where they are loaded).
+  ``--gamma-decay`` decays every party's Adam step by epoch as it decays the linear model's γ: it lets the
+  noise of ``--label-privacy dp-theta`` settle (``docs/vertical-networks.md``).
 
 Checked on the options alone, before any rank starts (torch is not imported here).
 """
@@ -72,7 +73,6 @@ def network_refusal(c) -> str | None:
                                   f"cross-entropy for more classes): --problem {c.problem} is not one"),
         (c.label_privacy == "he", "--model mlp cannot run --label-privacy he (encrypted ϑ is the linear "
                                   "model's); use --label-privacy dp"),
-        (bool(c.gamma_decay), "--model mlp steps by Adam: drop --gamma-decay"),
         (c.target_suboptimality is not None or c.f_star is not None,
          "--model mlp has no f* (the NonF optimum is the linear model's): drop --target-suboptimality / "
          "--f-star"),

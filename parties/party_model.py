@@ -49,6 +49,10 @@ class LinearPart:
     def step(self, rows: np.ndarray, thetas: np.ndarray, writer: int, messages: int = 1) -> None:
         self.party.rule.apply(self.party.w, rows, thetas, writer=writer)
 
+    def set_step(self, gamma: float) -> None:
+        """The update rule's γ from now on (``--gamma-decay``, at whole epochs)."""
+        self.party.rule.set_gamma(gamma)
+
     def theta(self, scores: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """ϑ of the loss at a label holder for its sampled ``rows``."""
         party = self.party
@@ -101,6 +105,15 @@ class NetworkPart:
         than the top. One backward per queue is still what lets a slow party catch up."""
         with self.lock:
             self.model.backward(rows, thetas.reshape(-1, self.k), steps=messages)
+
+    def set_step(self, gamma: float) -> None:
+        """Every optimiser's step (the bottom's, and the top's at the label holder) from now on:
+        ``--gamma-decay`` at whole epochs, where no message is being applied (the lock besides)."""
+        with self.lock:
+            for model in (self.model, self.top):
+                optimizer = getattr(model, "optimizer", None)
+                for group in [] if optimizer is None else optimizer.param_groups:
+                    group["lr"] = gamma
 
     def theta(self, scores: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The top's step on ``z_B`` (the secure sum of every party's contribution) and the rows' ϑ."""

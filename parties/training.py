@@ -124,6 +124,7 @@ class _Trainer:
         self.marked: float | None = None  # the last epoch the leader marked complete (none yet)
         self.initial_loss: float | None = None
         self.gamma = config.gamma  # the base step: derived from the data at start when None
+        self.step = config.gamma   # the step of the current epoch (--gamma-decay decays it from gamma)
         self.out = Path(config.out)
         self.folder = config.party_folder(self.rank)
         self.log = None
@@ -133,6 +134,9 @@ class _Trainer:
         config, party = self.config, self.party
         kept = self._resume() if config.resume else None
         self.gamma = choose_gamma(self.rt, config, kept)  # before any step (collective unless --gamma γ)
+        self.step = config.gamma_at(self.epochs, self.gamma)
+        if config.gamma_decay:  # before the (collective) evaluation: no (ϑ, i) of this run can come sooner
+            self.rt.part.set_step(self.step)
         if self.rank == LEADER:
             self._open_outputs()
         record = self._evaluate()
@@ -209,10 +213,8 @@ class _Trainer:
     def _segment(self, next_snapshot: float) -> float:
         """Train one segment of the schedule (collective); returns when the next snapshot is due."""
         config, party = self.config, self.party
-        if config.gamma_decay:
-            # the step changes only at whole epochs (next_segment cuts there), with every coordinate
-            # up to date (drain)
-            party.rule.set_gamma(config.gamma_at(self.epochs, self.gamma))
+        if config.gamma_decay:  # the step this segment trains with, set when the last one ended (below)
+            self.step = config.gamma_at(self.epochs, self.gamma)
         started = time.perf_counter()
         # every rank sums the same words into self.epochs, so all agree on when a snapshot happens
         if party.rule.needs_snapshot and self.epochs >= next_snapshot - SNAPSHOT_SLACK:
@@ -236,6 +238,11 @@ class _Trainer:
         self.updates += done_all
         self.epochs += (done_all * config.batch_size / n if config.time_limit is not None
                         else segment)  # cut short?
+        if config.gamma_decay:
+            # the next segment's step, set now, with every coordinate up to date (drain): a dominator
+            # may send its first (ϑ, i) as soon as the leader decides to go on, before this party's
+            # main thread is back in _segment (the step changes only at whole epochs: next_segment)
+            self.rt.part.set_step(config.gamma_at(self.epochs, self.gamma))
         return next_snapshot
 
     # ------------------------------------------------------------------------------------ the leader
@@ -335,7 +342,7 @@ class _Trainer:
         record: dict = {"epoch": round(self.epochs, 6), "time": round(self.train_time, 6),
                         "updates": self.updates, "loss": loss}
         if self.config.gamma_decay:
-            record["gamma"] = self.party.rule.gamma     # the step of the epoch just finished
+            record["gamma"] = self.step  # the step of the epoch just finished
         if self.config.f_star is not None:
             record["suboptimality"] = loss - self.config.f_star
         if z_test is not None:
@@ -357,6 +364,8 @@ class _Trainer:
         loss = float(-np.mean(np.log(np.clip(chance, 1e-300, None))))
         record: dict = {"epoch": round(self.epochs, 6), "time": round(self.train_time, 6),
                         "updates": self.updates, "loss": loss}
+        if self.config.gamma_decay:
+            record["gamma"] = self.step  # Adam's step in the epoch just finished
         if z_test is not None:
             from parties.party_model import as_classes
 

@@ -214,6 +214,16 @@ class _Announcing:
             raise AssertionError("the receiver went on to receive what the header announced")
         buf[:] = self.header
 
+    def Irecv(self, buf, source: int, tag: int):  # the header's wait polls (wire._await)
+        comm = self
+
+        class Arrived:
+            def Test(self) -> bool:
+                comm.Recv(buf, source, tag)
+                return True
+
+        return Arrived()
+
 
 @pytest.mark.parametrize("header", [[2, 0, 2**40], [2, 2**31, 0], [2, -1, 0], [2, 0, 1 << 20]])
 def test_a_frame_announcing_more_than_the_job_needs_is_refused_before_allocation(header):

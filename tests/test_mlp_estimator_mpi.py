@@ -36,3 +36,18 @@ def test_settings_the_runtime_does_not_have_are_refused_in_one_line():
                          ({"backend": "gpu"}, "backend must be")):
         with pytest.raises(ValueError, match=match):
             VerticalMLPClassifier(parties=3, **{"backend": "mpi", **given}).fit(ds.X_train, ds.y_train)
+
+
+@pytest.mark.mpi
+def test_a_label_dp_estimator_over_mpi_trains_protected_and_states_the_budget_it_was_calibrated_for():
+    """label_privacy="dp" over MPI runs the job's ``--label-privacy dp-theta``: the noise multiplier it
+    reports keeps the 4 passes' releases of every row within the ε asked for (the job counts a release
+    more where its segments' batch quotas round up), and the protected networks still learn."""
+    from vertical.label_privacy import gaussian_epsilon
+
+    ds = load("breast-cancer", seed=0)
+    model = VerticalMLPClassifier(parties=3, bottom="*-8-1", top="1", lr=1e-2, batch_size=32, epochs=4,
+                                  label_privacy="dp", epsilon=8.0, backend="mpi").fit(ds.X_train, ds.y_train)
+    assert model.noise_multiplier_ > 0
+    assert 4.0 < gaussian_epsilon(model.noise_multiplier_, 1e-5, 4) <= 8.0
+    assert model.score(ds.X_test, ds.y_test) > 0.75

@@ -71,21 +71,41 @@ def test_per_row_noise_is_refused_where_its_argument_does_not_hold():
     validate(RunConfig(**base, label_privacy="dp-theta", epsilon=1.0, bottom="*-8-1", top="1"))
 
 
+def one_release_auc_ceiling(sigma: float, positives: int, negatives: int) -> float:
+    """The most AUC one Gaussian release of noise multiplier σ lets any attack expect on a one-logit ϑ
+    (labels one apart, noise σ: Φ(1/(σ√2))), plus three standard errors of an AUC measured on this many
+    rows (Hanley and McNeil): an attack that stays below it read no more than one release."""
+    from scipy.stats import norm
+
+    a = float(norm.cdf(1 / (sigma * np.sqrt(2))))
+    q1, q2 = a / (2 - a), 2 * a * a / (1 + a)
+    var = a * (1 - a) + (positives - 1) * (q1 - a * a) + (negatives - 1) * (q2 - a * a)
+    var /= positives * negatives
+    return a + 3 * float(np.sqrt(var))
+
+
 @pytest.mark.mpi
 def test_a_real_job_with_per_row_noise_learns_and_its_passive_transcripts_read_near_chance(tmp_path):
-    """ε = 2 in one release (σ printed), async with -P 2 (the fresh mode is tested in lock-step): the job
-    still learns breast-cancer (majority: 0.63), and on a
-    passive party's transcript of 3 passes the direction attack, oriented by 20 known labels, is near
-    chance (without protection it reads ≥ 95 %: tests/test_vertical_nn_runtime.py)."""
-    from experiments.label_attacks import Transcript, judge, theta_direction
+    """ε = 2 in one release (σ = 2.15 printed), async with -P 2 (the fresh mode is tested in lock-step):
+    the job still learns breast-cancer (majority: 0.63), and on a passive party's transcript of 6 passes
+    the direction attack and the projection attack (which averages a row's passes), oriented by 20 known
+    labels, read no more than one release allows: AUC ≤ Φ(1/(σ√2)) = 0.63 within three standard errors
+    (about 0.71 on these rows). Fresh noise of that σ would expect Φ(√6/(σ√2)) = 0.79 over the 6 passes,
+    and an unprotected run ≥ 0.95 (tests/test_vertical_nn_runtime.py). CI once saw 0.663 on 3 passes
+    against a fixed 0.65, inside this sampling error."""
+    from experiments.label_attacks import Transcript, judge, theta_direction, theta_projection
     from parties.loading import load_party
     from parties.plan import JobPlan
 
-    proc = train(tmp_path, *NET, "--mode", "async", "-P", "2", "--epochs", "3", "--label-privacy", "dp-theta",
+    proc = train(tmp_path, *NET, "--mode", "async", "-P", "2", "--epochs", "6", "--label-privacy", "dp-theta",
                  "--epsilon", "2", "--theta-noise", "per-row", "--audit")
     assert "one Gaussian draw, added to its every ϑ, of noise multiplier σ = 2.15" in proc.stdout
     assert metrics(tmp_path)[-1]["test_accuracy"] >= 0.8
     y = load_party(JobPlan.from_json((Path(tmp_path) / "config.json").read_text()), 0).y
+    ceiling = one_release_auc_ceiling(2.15, int(np.sum(y == 1)), int(np.sum(y != 1)))
+    assert 0.68 < ceiling < 0.73
     transcript = Transcript.load(tmp_path / "audit-2.npz")
-    attack = judge(theta_direction(transcript, y.size, (np.arange(20), y[:20])), y)
-    assert attack["coverage"] > 0.9 and abs(attack["auc"] - 0.5) <= 0.15, attack
+    for read in (theta_direction, theta_projection):
+        attack = judge(read(transcript, y.size, (np.arange(20), y[:20])), y)
+        auc = max(attack["auc"], 1 - attack["auc"])
+        assert attack["coverage"] > 0.9 and auc <= ceiling, (read.__name__, attack)

@@ -209,6 +209,31 @@ def test_protection_clips_each_row_and_adds_the_calibrated_noise():
     assert released.std() == pytest.approx(protection.theta_std(False), rel=0.03)
 
 
+def test_the_identity_top_releases_its_theta_unclipped_with_noise_of_its_exact_sensitivity():
+    """An identity top: one label moves a row's ϑ by exactly 1 (one logit) or √2 (softmax), so the
+    noise is σ·Δ (not the clip's 2σC, twice as much at C = 1) and no clip bends ϑ; a clip smaller than
+    Δ/2 keeps the clipped release (the tighter bound), and a top with parameters keeps the clip."""
+    from vertical.nn.networks import MLPTop
+
+    protection = LabelProtection.calibrated(2.0, 1e-5, 3, clip=1.0, seed=0)
+    sigma = protection.noise_multiplier
+    silent = LabelProtection(clip=0.1, noise_multiplier=0.0, rng=np.random.default_rng(0))
+    for classes, delta in ((2, 1.0), (5, np.sqrt(2.0))):
+        top = MLPTop(str(1 if classes == 2 else classes), classes)
+        z = np.random.default_rng(1).normal(0, 3, size=(40000, top.k))
+        y = np.random.default_rng(2).integers(0, classes, size=40000)
+        clean, _ = top.step(z, y)
+        noisy, _ = top.step(z, y, protection)
+        assert (noisy - clean).std() == pytest.approx(sigma * delta, rel=0.02)  # σΔ, not 2σ
+        exact = LabelProtection(clip=1.0, noise_multiplier=0.0, rng=np.random.default_rng(0))
+        np.testing.assert_allclose(top.step(z, y, exact)[0], clean, atol=1e-6)  # unclipped (float32)
+        bent, _ = top.step(z, y, silent)  # 2C = 0.2 < Δ: clipped to 0.1
+        assert np.linalg.norm(bent, axis=1).max() == pytest.approx(0.1)
+    parametrised = MLPTop("2-1", 2)
+    noisy, _ = parametrised.step(np.zeros((20000, 2)), np.zeros(20000, dtype=int), protection)
+    assert noisy.std() == pytest.approx(2 * sigma * 1.0 / np.sqrt(1 - protection.top_share), rel=0.03)
+
+
 def test_image_strips_cut_pixel_columns():
     strips = image_strips(28, 28, 4)
     assert [s.size for s in strips] == [196] * 4

@@ -78,7 +78,6 @@ def test_bottom_specs_are_one_for_all_or_one_per_party_ending_at_one_width():
     ({"active": 2}, "-m 1"),
     ({"problem": "least-squares"}, "a classifier with the logistic loss"),
     ({"label_privacy": "he", "batch_size": 512}, "--label-privacy he"),
-    ({"gamma_decay": 0.5}, "--gamma-decay"),
     ({"f_star": 0.1}, r"no f\*"),
     ({"bottom": "*-8-4,*-8-4"}, "2 specs for 3 parties"),
     ({"bottom": "*-8-*"}, r"'\*' only stands first"),
@@ -108,7 +107,8 @@ def test_what_a_network_keeps_is_accepted():
 def _replayed_lock_step(out: Path, epochs: int) -> dict[str, dict[str, np.ndarray]]:
     """What the job's parties hold after ``epochs`` of lock-step split learning in one process: each
     rank's data and fresh network as the rank builds them (``parties.loading.load_party``), driven by
-    the simulator on the batches the job's dominator drew (its sampler, one call a segment)."""
+    the simulator on the batches the job's dominator drew (its sampler, one call a segment), each epoch
+    at the job's decayed step γ/(1 + decay·e) (``--gamma-decay``)."""
     from parties.loading import load_party
     from parties.plan import JobPlan, segment_quota
     from vertical.nn.simulate import simulate
@@ -119,8 +119,12 @@ def _replayed_lock_step(out: Path, epochs: int) -> dict[str, dict[str, np.ndarra
     sampler = np.random.default_rng([plan.seed, 0])
     quota = segment_quota(plan.options, 1.0, n)
     schedule = [list(sampler.integers(0, n, size=(quota, plan.batch_size))) for _ in range(epochs)]
-    simulate([p.network for p in parties], parties[0].top, parties[0].classes, epochs=epochs,
-             batch_size=plan.batch_size, mode="sync", batches=lambda epoch, rng: schedule[epoch - 1])
+    for epoch in range(epochs):
+        for optimizer in [p.network.optimizer for p in parties] + [parties[0].top.optimizer]:
+            for group in optimizer.param_groups:
+                group["lr"] = plan.gamma_at(epoch)
+        simulate([p.network for p in parties], parties[0].top, parties[0].classes, epochs=1,
+                 batch_size=plan.batch_size, mode="sync", batches=lambda _, rng, e=epoch: schedule[e])
     held = {f"party-{p.rank}": p.network.state_dict() for p in parties}
     held["top"] = parties[0].top.state_dict()
     return held
@@ -147,18 +151,22 @@ def test_a_lock_step_network_job_is_split_learning_and_resumes_where_it_left_off
     """Every parameter (and Adam's state) of every party's network and of the top, after 2 epochs of a
     real 3-party ``sync`` job, equals the one-process lock-step simulation on the batches the job drew:
     the secure sum of k-wide contributions, the k-wide (ϑ, i) dispatch and each party's step are split
-    learning exactly (to float32 rounding; the masked sum is exact to 2^-32). A ``sync-global`` job of 1
-    epoch resumed for a second (networks, Adam's moments and the sampler in the checkpoints) ends at the
-    same parameters."""
+    learning exactly (to float32 rounding; the masked sum is exact to 2^-32), and every optimiser takes
+    the second epoch at the decayed step (``--gamma-decay 1``: half). A ``sync-global`` job of 1 epoch
+    resumed for a second (networks, Adam's moments, the sampler in the checkpoints, the step decayed
+    from the epoch) ends at the same parameters."""
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    train(whole, *NET, "-B", "32", "-n", "3", "--mode", "sync", "--epochs", "2", "--seed", "3")
+    decay = ("--gamma", "0.004", "--gamma-decay", "1")
+    train(whole, *NET, *decay, "-B", "32", "-n", "3", "--mode", "sync", "--epochs", "2", "--seed", "3")
+    assert [r.get("gamma") for r in metrics(whole)] == [0.004, 0.004, 0.002]
     expected = _replayed_lock_step(whole, epochs=2)
     for rank in range(3):
         _assert_same(_part(_trained(whole, rank), "bottom/"), expected[f"party-{rank}"], f"party {rank}",
                      rtol=1e-4, atol=1e-5)
     _assert_same(_part(_trained(whole, 0), "top/"), expected["top"], "top", rtol=1e-4, atol=1e-5)
 
-    train(resumed, *NET, "-B", "32", "-n", "3", "--mode", "sync-global", "--epochs", "1", "--seed", "3")
+    train(resumed, *NET, *decay, "-B", "32", "-n", "3", "--mode", "sync-global", "--epochs", "1",
+          "--seed", "3")
     proc = train(resumed, "--resume", "--epochs", "2")
     assert "resuming from epoch 1" in proc.stdout
     for rank in range(3):
@@ -171,11 +179,13 @@ def test_a_lock_step_network_job_is_split_learning_and_resumes_where_it_left_off
 @pytest.mark.mpi
 def test_an_asynchronous_network_job_with_per_party_networks_learns(tmp_path):
     """q = 4, each organisation its own network (one spec per party), requests in flight and ϑ riding
-    on them: the job learns breast-cancer (a majority-class guess scores 0.63) and says what it ran."""
+    on them, sealed channels, evaluations every half epoch: the job learns breast-cancer (a
+    majority-class guess scores 0.63) and says what it ran."""
     proc = train(tmp_path, *NET[:-4], "--bottom", "*-8-4,*-4,*-16-4,*-8-4", "--top", "*-8-*", "-n", "4",
                  "-P", "4", "--piggyback", "--epochs", "4", "--audit", "--straggler", "2",
-                 "--apply-delay-ms", "3")
+                 "--apply-delay-ms", "3", "--secure-channels", "--eval-every", "0.5")
     records = metrics(tmp_path)
+    assert [r["epoch"] for r in records] == [0.5 * e for e in range(9)]
     assert records[-1]["test_accuracy"] >= 0.9
     assert records[-1]["loss"] < 0.6 * records[0]["loss"]
     assert all(math.isfinite(r["loss"]) for r in records)
@@ -185,8 +195,9 @@ def test_an_asynchronous_network_job_with_per_party_networks_learns(tmp_path):
     _every_party_stepped_once_per_batch(tmp_path, parties=4)
     _predictions_score_as_evaluated(tmp_path, records[-1]["test_accuracy"])
     _served_and_exported_as_predicted(tmp_path)
-    leak = _direction_attack(tmp_path, rank=3)
-    assert leak["accuracy"] >= 0.95, leak  # unprotected: a passive party reads the labels off ϑ
+    for projection in (False, True):  # unprotected: a passive party reads the labels off ϑ
+        leak = _direction_attack(tmp_path, rank=3, projection=projection)
+        assert leak["accuracy"] >= 0.95, (projection, leak)
 
 
 def _every_party_stepped_once_per_batch(out: Path, parties: int) -> None:
@@ -199,29 +210,33 @@ def _every_party_stepped_once_per_batch(out: Path, parties: int) -> None:
         assert int(_trained(out, rank)["bottom/optim/0/step"]) == top_steps, f"party {rank}"
 
 
-def _direction_attack(out: Path, rank: int) -> dict[str, float]:
+def _direction_attack(out: Path, rank: int, projection: bool = False) -> dict[str, float]:
     """Li et al.'s direction attack on passive party ``rank``'s own ``--audit`` transcript, oriented by
-    20 labels the attacker knows, judged against the leader's labels."""
-    from experiments.label_attacks import Transcript, judge, theta_direction
+    20 labels the attacker knows, judged against the leader's labels; ``projection``: the same without
+    the cosine's normalisation, which averages a row's noisy releases (``theta_projection``)."""
+    from experiments.label_attacks import Transcript, judge, theta_direction, theta_projection
     from parties.loading import load_party
     from parties.plan import JobPlan
 
     y = load_party(JobPlan.from_json((out / "config.json").read_text()), 0).y
     known = (np.arange(20), y[:20])
-    return judge(theta_direction(Transcript.load(out / f"audit-{rank}.npz"), y.size, known), y)
+    read = theta_projection if projection else theta_direction
+    return judge(read(Transcript.load(out / f"audit-{rank}.npz"), y.size, known), y)
 
 
 @pytest.mark.mpi
 def test_the_protected_mode_defeats_the_direction_attack_that_reads_an_unprotected_run(tmp_path):
     """``--label-privacy dp-theta --epsilon 1``: each row's ϑ clipped and noised (σ from the accountant
     over the run's passes, printed), the top by DP-SGD; on a passive party's transcript the direction
-    attack that reads ≥ 95 % of the labels of an unprotected run (the test above) is near chance."""
+    attack that reads ≥ 95 % of the labels of an unprotected run (the test above) is near chance, and so
+    is its projection variant, which averages each row's passes."""
     protected = ["--bottom", "*-8-4", "--top", "*-8-*", "-n", "3", "--mode", "sync", "--label-privacy",
                  "dp-theta", "--epsilon", "1", "--audit"]
     proc = train(tmp_path / "a", *NET[:-4], *protected, "--epochs", "3")
     assert "label-DP ε = 1, δ = 1e-05: each row's ϑ is clipped to norm 1" in proc.stdout
-    attack = _direction_attack(tmp_path / "a", rank=2)
-    assert attack["coverage"] > 0.9 and abs(attack["auc"] - 0.5) <= 0.15, attack
+    for projection in (False, True):
+        attack = _direction_attack(tmp_path / "a", rank=2, projection=projection)
+        assert attack["coverage"] > 0.9 and abs(attack["auc"] - 0.5) <= 0.15, (projection, attack)
     assert all(math.isfinite(r["loss"]) for r in metrics(tmp_path / "a"))
     # the noise is drawn from OS entropy: the same lock-step job again (everything else deterministic)
     # sends other ϑ's; noise from the job's seed, which config.json gives every party, could be subtracted

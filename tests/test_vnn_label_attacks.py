@@ -20,6 +20,7 @@ from experiments.label_attacks import (  # noqa: E402
     judge,
     model_completion,
     theta_direction,
+    theta_projection,
     write_simulated_audit,
 )
 from parties.runtime import TAG_THETA  # noqa: E402
@@ -120,3 +121,35 @@ def test_the_direction_attack_orients_itself_without_known_labels_on_a_scalar_th
 
     scores = theta_direction(Fake(), 400)
     assert judge(scores, y)["accuracy"] == 1.0
+
+
+def test_averaging_the_projections_reads_noisy_one_logit_theta_better_than_the_cosines_vote():
+    """Fresh Gaussian noise on a one-logit ϑ = p − y over 6 passes: the cosine keeps each release's sign
+    only, so a row's passes vote; the projection attack averages them, as the accountant assumes the
+    attacker does, and so reads the labels clearly better. An evaluation with the cosine attack alone
+    would overstate the protection."""
+    from vertical.nn.messages import pack
+
+    rng = np.random.default_rng(1)
+    n = 4000
+    y01 = (rng.random(n) < 0.3).astype(float)
+    messages, seq = [], 0
+    for _ in range(6):
+        for batch in np.array_split(rng.permutation(n), 8):
+            theta = 0.3 - y01[batch] + rng.normal(0, 3.0, batch.size)
+            messages.append(pack(seq, batch, theta.reshape(-1, 1)))
+            seq += 1
+
+    class Fake(Transcript):
+        def __init__(self):
+            pass
+
+        def theta_messages(self):
+            return messages
+
+    y = np.where(y01 > 0, 1.0, -1.0)
+    known = (np.arange(40), y[:40])
+    auc = {attack.__name__: judge(attack(Fake(), n, known), y)["auc"]  # oriented by the known labels
+           for attack in (theta_direction, theta_projection)}
+    assert auc["theta_projection"] > auc["theta_direction"] + 0.02, auc
+    assert auc["theta_projection"] > 0.6, auc

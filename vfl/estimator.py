@@ -269,7 +269,8 @@ class VerticalMLPClassifier(ClassifierMixin, BaseEstimator):
 
     ``label_privacy="dp"`` clips each row's ϑ (jointly with the top's per-row gradient) to ``clip`` and
     adds Gaussian noise calibrated so that what a passive party receives over ``epochs`` passes is
-    (``epsilon``, ``delta``)-label-DP (:mod:`vertical.nn.protection`); ``epsilon_`` is the ε the
+    (``epsilon``, ``delta``)-label-DP (:mod:`vertical.nn.protection`; an identity top, e.g.
+    ``top="1"``, needs no clip: its ϑ moves by exactly 1 or √2 with a label); ``epsilon_`` is the ε the
     accountant gives for the run. After ``fit``: ``bottoms_``, ``top_``, ``columns_``, ``classes_``,
     ``history_`` (per epoch: training loss, seconds). ``threads``: torch's intra-op threads while
     fitting and predicting (default 1: these layers are too small to gain from more, and on a busy

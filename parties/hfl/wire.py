@@ -1,9 +1,10 @@
 """The messages of horizontal FL under MPI: framing, float vectors, and uplinks of packed payloads.
 
 Every message between the server (rank 0) and a client process is one *frame* of up to three blocking
-point-to-point sends on one tag, received with blocking ``Recv`` into buffers of known size (never a
-``Probe`` loop: with more ranks than cores a probe round trip costs milliseconds on this machine, a plain
-``Recv`` tens of microseconds):
+point-to-point sends on one tag, received into buffers of known size (never a ``Probe`` loop: with
+more ranks than cores a probe round trip costs milliseconds on this machine, a plain ``Recv`` tens of
+microseconds). The header, which a rank may wait for all round, is polled with short sleeps
+(:func:`_await`); the meta and body that follow it, with blocking ``Recv``:
 
     header  int64[3]  (kind, meta byte count, body byte count)
     meta    uint8     UTF-8 JSON of a small dict: ids, keys, lengths, dtypes (skipped when empty)
@@ -30,12 +31,17 @@ import torch
 
 from horizontal import Message
 from protocols.compression import Compressor, Payload
+from protocols.liveness import Backoff
 
 TAG = 72
 """The one MPI tag of horizontal-FL traffic (on its own duplicated communicator)."""
 
 SERVER = 0
 """The server's rank; rank p + 1 is client process p."""
+
+WAIT_CAP_S = 2.5e-4
+"""The longest sleep between two polls while a rank waits for a frame (a wait overshoots by at most
+this: ~1 % of a 0.1 s round for the few waits a round has)."""
 
 FLOAT_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -91,12 +97,22 @@ def send_frame(comm: Any, dest: int, kind: Kind, meta: Mapping[str, Any] | None 
     return body_nbytes
 
 
+def _await(request: Any) -> None:
+    """Wait for a frame to begin without spinning: MPICH's blocking ``Recv`` polls a core until the
+    message arrives, and a rank waits for most of a round (the server for its slowest client, a client
+    for the next round), which with more ranks than cores takes the CPU from the ranks still computing.
+    Polls then sleeps of at most :data:`WAIT_CAP_S` (:class:`protocols.liveness.Backoff`)."""
+    backoff = Backoff(cap=WAIT_CAP_S)
+    while not request.Test():
+        backoff.sleep()
+
+
 def recv_frame(comm: Any, source: int, expect: Kind | Sequence[Kind], *, max_body: int) -> Frame:
     """Receive the next frame from ``source``; raise :class:`WireError` if its kind is not expected or
     it announces more metadata than :data:`MAX_META_BYTES` or a body over ``max_body`` bytes (what the
     receiver's job can need, :func:`body_limit`): nothing is allocated for a frame before that check."""
     header = np.empty(3, dtype=np.int64)
-    comm.Recv(header, source=source, tag=TAG)
+    _await(comm.Irecv(header, source=source, tag=TAG))
     kind_value, meta_nbytes, body_nbytes = (int(v) for v in header)
     expected = (expect,) if isinstance(expect, Kind) else tuple(expect)
     if kind_value not in {int(k) for k in expected} or not 0 <= meta_nbytes <= MAX_META_BYTES \

@@ -34,7 +34,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from vertical.nn.base import PartyModel, TopModel, check_state, parse_spec
-from vertical.nn.protection import LabelProtection
+from vertical.nn.protection import LabelProtection, sensitivity_of_identity_top
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 #: A sparse block up to this size (dense) is densified at construction.
@@ -284,7 +284,10 @@ class MLPTop(TopModel):
 
         z_t = torch.as_tensor(z, dtype=self.dtype)
         g_params, g_z = vmap(grad(one, argnums=(0, 1)), in_dims=(None, 0, 0))(params, z_t, labels)
-        theta = protection.release(g_z.to(torch.float64).numpy(), top_has_parameters=bool(params))
+        # an identity top's ϑ moves by exactly Δ with the label (protection.py decides if Δ beats 2C)
+        exact = None if params else sensitivity_of_identity_top(self.k)
+        theta = protection.release(g_z.to(torch.float64).numpy(), top_has_parameters=bool(params),
+                                   sensitivity=exact)
         if self.optimizer is not None:
             squared = torch.zeros(z.shape[0], dtype=torch.float64)
             for g in g_params.values():

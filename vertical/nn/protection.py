@@ -15,7 +15,13 @@ vectors in a ball). Noise of std ``s = 2σC/√(1 − a)`` on ϑ and ``s_top = 2
 sum makes the joint release of a batch a Gaussian mechanism with noise multiplier σ, since
 ``(2C/s)² + (2C_top/s_top)² = 1/σ²``; ``a`` (``top_share``, default 0.1) is the top's part of that
 budget. The top's noise lands on a sum over B rows and ϑ's on each row, so the top needs the smaller
-part. A top without parameters leaves all of it to ϑ (``s = 2σC``).
+part. A top without parameters leaves all of it to ϑ, and needs no clip at all: with the identity top,
+ϑ_b = σ(z_b) − y_b (one logit) or p_b − e_{y_b} (softmax), where z_b comes from the earlier releases
+alone, so one label moves its row's ϑ by exactly Δ = 1 or √2 (:func:`sensitivity_of_identity_top`),
+less than the 2C a clip allows; ϑ is released unclipped with ``s = σΔ`` (where 2C < Δ, a small clip,
+the clipped release stays the tighter one). With one logit that is half
+the noise of ``2σC`` (C = 1) for the same ε: a passive party sees the same noise as before at about
+half the ε (``experiments/results/README.md`` measures the attacks at each ε).
 Batches are one permutation of the rows per pass, so a row is in exactly one release per
 pass; a passive party knows which rows a batch holds (it needs them to step), so there is no
 amplification by subsampling, and a row's loss is the composition over the passes: σ is what
@@ -66,8 +72,16 @@ class LabelProtection:
         rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         return cls(clip=float(clip), noise_multiplier=sigma, rng=rng, top_clip=top_clip, top_share=top_share)
 
-    def theta_std(self, top_has_parameters: bool) -> float:
-        """Std of the noise on each coordinate of a row's ϑ."""
+    def exact(self, sensitivity: float | None) -> float | None:
+        """The top's exact sensitivity where it is the tighter bound (Δ ≤ 2C), else None: clip."""
+        return sensitivity if sensitivity is not None and sensitivity <= 2.0 * self.clip else None
+
+    def theta_std(self, top_has_parameters: bool, sensitivity: float | None = None) -> float:
+        """Std of the noise on each coordinate of a row's ϑ: ``σ·Δ`` where the top states how far one
+        label moves ϑ (the identity top, ``sensitivity``) and that beats the clip, else ``2σC`` over the
+        ϑ's share of the budget."""
+        if self.exact(sensitivity) is not None:
+            return self.noise_multiplier * sensitivity
         share = 1.0 - self.top_share if top_has_parameters else 1.0
         return 2.0 * self.noise_multiplier * self.clip / np.sqrt(share)
 
@@ -91,11 +105,14 @@ class LabelProtection:
     def noise(self, shape, std: float) -> np.ndarray:
         return self.rng.normal(0.0, std, size=shape)
 
-    def release(self, theta: np.ndarray, *, top_has_parameters: bool = False) -> np.ndarray:
-        """ϑ̃: each row of ϑ clipped to C, plus noise."""
+    def release(self, theta: np.ndarray, *, top_has_parameters: bool = False,
+                sensitivity: float | None = None) -> np.ndarray:
+        """ϑ̃: each row of ϑ clipped to C, plus noise; or, where the top gives ``sensitivity`` (the
+        identity top, module docstring), ϑ unclipped plus noise of ``σ·sensitivity``."""
         theta = np.asarray(theta, dtype=np.float64)
-        clipped = theta * self.scales(np.einsum("bk,bk->b", theta, theta), self.clip)[:, None]
-        return clipped + self.noise(theta.shape, self.theta_std(top_has_parameters))
+        if self.exact(sensitivity) is None:
+            theta = theta * self.scales(np.einsum("bk,bk->b", theta, theta), self.clip)[:, None]
+        return theta + self.noise(theta.shape, self.theta_std(top_has_parameters, sensitivity))
 
 
 @dataclass
@@ -108,10 +125,10 @@ class RowNoise:
     A party that could compute that function, the worst case, learns from all of a run's releases of the
     row exactly one sample of −e_{y_i} + n_i: a single Gaussian mechanism of sensitivity
     ‖e_y − e_{y'}‖ = √2 (1 for one logit), so ε is that of one release, whatever the passes. Fresh noise
-    every pass (:class:`LabelProtection`) composes over the passes and must clip to 2C. The attacker
-    ends with about the same either way (fresh noise averages over a row's passes, one draw does not),
-    so this states a smaller ε for a given attack AUC: on a9a, per-row ε = 2 and fresh ε = 4 both
-    give AUC 0.57 (experiments/results/README.md).
+    every pass (:class:`LabelProtection`) has the same sensitivity but composes over the passes. The attacker
+    ends with about the same either way (fresh noise averages over a row's passes, one draw does not):
+    on a9a the direction attack's AUC is 0.569 at per-row ε = 2 and 0.563–0.580 at fresh ε = 2
+    (experiments/results/README.md), and fresh noise cost less accuracy.
 
     A top with parameters breaks the argument: its Jacobian changes between releases, so the
     difference of two releases of a row would carry the label without noise. The launcher refuses that
