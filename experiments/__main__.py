@@ -72,6 +72,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                       "--label-privacy he on a9a: OU vs Paillier, ε-noise on ϑ vs on decrypted gradients"),
     "label_he_pack": ("experiments.bench_label_he_pack",
                       "--label-privacy he on a9a: packed against unpacked decryption, B = 256 and 1,024"),
+    "label_he_overlap": ("experiments.bench_label_he_overlap",
+                         "--label-privacy he on a9a: an epoch per stage and rank, this tree vs a commit"),
     "label_dp_sim": ("experiments.label_dp_sim",
                      "he --epsilon's noise (on ϑ, on the gradient, RR labels) in one process, no HE"),
     "label_dp_limit": ("experiments.label_dp_limit",

@@ -31,8 +31,7 @@ segment's ``DONE`` (:meth:`DataPlane.drain`), a synchronous step's acknowledgeme
 
 Every data-plane message goes through one :class:`~protocols.transport.MpiTransport`: sends may come
 from any thread (``MPI_THREAD_MULTIPLE``), never block, and are sealed there with ``--secure-channels``.
-Under ``--label-privacy he`` the batches to passive parties are the label plane's
-(``parties/label_plane.py``).
+Under ``--label-privacy he`` the batches to passive parties are the label plane's (label_plane.py).
 """
 
 from __future__ import annotations
@@ -335,9 +334,10 @@ class DataPlane(DominatedLoop):
                                                        batch=self.batch_size)
             self.inbox.next_sequence(source, seq, "encrypted batch")
             self._scheduled(source, seq, rows, "encrypted batch")
+            self.label.arrived(source, seq, rows, payload, self.transport)  # masked at once, label_plane.py
             self._queue_of[source].put((source, rows, payload, seq))
         elif tag == TAG_HE_MASKED:
-            self.transport.send(source, self.label.decrypt_for(source, msg, self.sent), TAG_HE_DECRYPTED)
+            self.label.decrypt_later(source, msg, self.sent, self.transport)  # answered by the label plane
         elif tag == TAG_HE_DECRYPTED:
             self.label.replies[source].put(msg)
         # TAG_HEARTBEAT: being heard from is all it says

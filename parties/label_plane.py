@@ -5,13 +5,14 @@ answers with its masked encrypted block gradient, and the dominator returns the 
 masked (protocols/label_he.py); under ``--epsilon`` what it encrypts, and what every party steps
 with, is ϑ̃ = ϑ + N(0, σ²) (:meth:`LabelPlane.perturb`). The data plane carries the batches
 (``parties/data_plane.py`` calls
-:meth:`LabelPlane.encrypt_batch`, :meth:`LabelPlane.decrypt_for` and
+:meth:`LabelPlane.encrypt_batch`, :meth:`LabelPlane.decrypt_later` and
 :meth:`LabelPlane.passive_gradient`); the keys and the SVRG snapshot's encrypted
 full pass go over the control plane (``parties/control_plane.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -21,26 +22,31 @@ import numpy as np
 
 from parties.audit import AuditLog
 from parties.control_plane import ControlPlane
+from parties.lifecycle import guarded
 from parties.messages import (
     AUDIT_HE_FULL_GRADIENT,
     AUDIT_HE_GRADIENT,
     MAX_MESSAGE_WORDS,
+    TAG_HE_DECRYPTED,
     TAG_HE_FULL,
     TAG_HE_FULL_MASKED,
     TAG_HE_MASKED,
 )
 from protocols import label_he, label_he_pack
 from protocols.errors import ProtocolViolation
+from protocols.label_he_key_process import KeyProcess
 
 #: Longest a worker waiting for a decryption sleeps before it looks at its deadline again (seconds).
 REPLY_TICK = 0.05
 #: ``--mode async``: encrypted batches a dominator may send beyond a passive party's answers. A passive
 #: party steps one batch per round trip, so without a bound its backlog (and its staleness) grows with
 #: the segment, and at the segment's barrier it would work through it sending nothing to the parties
-#: that wait for it there (a deadline on silence would name it, docs/runtime.md "Liveness"). 16 batches
-#: are about 2 s of round trips (docs/label-privacy.md); the segment takes as long as before, as a
-#: dominator waited for that backlog in its drain anyway.
-HE_AHEAD = 16
+#: that wait for it there (a deadline on silence would name it, docs/runtime.md "Liveness"). The bound is
+#: also the staleness of the passive blocks in the dominator's ϑ's: at 16, once the dominator's
+#: decryptions left its GIL (label_he_key_process.py) and it no longer slowed to its passive parties'
+#: pace, a9a lost up to 40 points of accuracy on a loaded machine (docs/label-privacy.md); 4 keeps the
+#: pipeline full and the accuracy of the throttled runs.
+HE_AHEAD = 4
 
 
 class PassBatches:
@@ -87,13 +93,20 @@ class LabelPlane:
         #: --epsilon: σ, the noise on every ϑ (0: none); the dominators' batches of a pass
         self.noise_std = 0.0
         self.batches: PassBatches | None = None
-        self.key = label_he.LabelKey(scheme, key_bits) if party.active else None
+        #: a dominator's key: its secret half in a process of its own (label_he_key_process.py)
+        self.key = KeyProcess(scheme, key_bits) if party.active else None
         #: --he-pack: the batches' gradients go k values a decryption (the snapshot's full pass does not)
         self.layout = label_he_pack.layout(batch_size, key_bits) if pack else None
         self.gradients: dict[int, label_he.BlockGradient] = {}
         #: a passive party's decrypted answers, per dominator (put there by the communication thread)
         self.replies: dict[int, queue.SimpleQueue[np.ndarray]] = {r: queue.SimpleQueue()
                                                                   for r in active_ranks}
+        #: a dominator's decryption threads' inboxes, per passive party (:meth:`decrypt_later`)
+        self._decrypters: dict[int, queue.SimpleQueue] = {}
+        #: a passive party's masking threads' inboxes and their results (masks and bounds), per dominator
+        self._maskers: dict[int, queue.SimpleQueue] = {}
+        self._pending: dict[int, queue.SimpleQueue[tuple[int, label_he.Pending]]] = {
+            r: queue.SimpleQueue() for r in active_ranks}
         self._answered = np.zeros(self.q, dtype=np.int64)  # per passive party: replies decrypted
         self._answered_cond = threading.Condition()
         for root in active_ranks:
@@ -141,6 +154,25 @@ class LabelPlane:
             self.stop("diverged", str(err))
         return label_he.pack_batch(seq, rows, payload)
 
+    def decrypt_later(self, source: int, msg: np.ndarray, sent: int, transport) -> None:
+        """Dominator (the communication thread): ``source``'s masked gradient goes to its decryption
+        thread, which answers it (:meth:`decrypt_for`) and sends the reply. The communication thread
+        goes back to its other messages (the dominated loop's own aggregation replies among them) instead
+        of waiting for the key process's answer, which on a loaded machine waits for a core."""
+        if source not in self._decrypters:
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
+            self._decrypters[source] = inbox
+            guard = functools.partial(guarded, self.control.comm, self.rank)
+            threading.Thread(target=guard(self._decrypt_loop), args=(source, inbox, transport),
+                             name=f"decrypt-{source}", daemon=True).start()
+        self._decrypters[source].put((msg, sent))
+
+    def _decrypt_loop(self, source: int, inbox: queue.SimpleQueue, transport) -> None:
+        """``source``'s masked gradients in order: each checked, decrypted and answered."""
+        while True:
+            msg, sent = inbox.get()
+            transport.send(source, self.decrypt_for(source, msg, sent), TAG_HE_DECRYPTED)
+
     def decrypt_for(self, source: int, msg: np.ndarray, sent: int) -> np.ndarray:
         """Dominator: the reply to a passive party's masked batch gradient (its batches in order, each
         once, only those of the ``sent`` this dominator sent): the decryption, still masked."""
@@ -170,25 +202,56 @@ class LabelPlane:
                 liveness.check(late, since, f"its masked gradient of batch #{upto - 1}", level=1)
                 self._answered_cond.wait(REPLY_TICK)
 
+    def arrived(self, source: int, seq: int, rows: np.ndarray, payload: bytes, transport) -> None:
+        """Passive party (the communication thread, for each validated encrypted batch, in order): the
+        batch goes to ``source``'s masking thread, which sends its masked encrypted block gradient at
+        once. The gradient depends on ϑ and this party's features only, not on its model, so it need not
+        wait until the worker has applied the batches before (:meth:`passive_gradient`): the masking of
+        batch t + 1 overlaps the dominator's decryption of batch t, and the steps stay exactly the same."""
+        if source not in self._maskers:
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
+            self._maskers[source] = inbox
+            guard = functools.partial(guarded, self.control.comm, self.rank)
+            threading.Thread(target=guard(self._mask_loop), args=(source, inbox, transport),
+                             name=f"mask-{source}", daemon=True).start()
+        self._maskers[source].put((seq, rows, payload))
+
+    def _mask_loop(self, source: int, inbox: queue.SimpleQueue, transport) -> None:
+        """``source``'s batches in order: the masked gradient to the dominator, the masks and bounds kept
+        for the worker; while no batch waits, the next batch's masks are encrypted ahead."""
+        gradients = self.gradients[source]
+        mask = (gradients.masked_packed_batch if isinstance(gradients, label_he_pack.PackedBlockGradient)
+                else gradients.masked_batch)
+        while True:
+            seq, rows, payload = inbox.get()
+            masked, pending = mask(payload, rows)
+            transport.send(source, label_he.pack_bytes(seq, masked), TAG_HE_MASKED)
+            self._pending[source].put((seq, pending))
+            if inbox.empty():
+                gradients.prepare_masks()  # the next batch's, while the dominator decrypts this one
+
     def passive_gradient(self, source: int, rows: np.ndarray, payload: bytes, seq: int, transport
                          ) -> np.ndarray:
-        """Passive party: for dominator ``source``'s encrypted batch ``seq``, its masked encrypted block
-        gradient to the dominator, the decryption back, the mask off (a worker thread)."""
+        """Passive party: for dominator ``source``'s encrypted batch ``seq`` (masked and sent by the
+        masking thread when it arrived, :meth:`arrived`), the decryption back, the mask off (a worker
+        thread, the batches in order)."""
         gradients = self.gradients[source]
-        packed = isinstance(gradients, label_he_pack.PackedBlockGradient)
-        masked = gradients.masked_packed(payload, rows) if packed else gradients.masked(payload, rows)
-        transport.send(source, label_he.pack_bytes(seq, masked), TAG_HE_MASKED)
-        gradients.prepare_masks()  # the next batch's, while the dominator decrypts this one
+        masked_seq, pending = self._pending[source].get()
+        assert masked_seq == seq, f"batch #{seq} applied while #{masked_seq} was masked"
         reply = self._reply(source, seq)
         if reply.size < 1 or int(reply[0]) != seq:
             raise ProtocolViolation(source, "decrypted gradient", f"is not the answer for batch #{seq}")
-        gradient = gradients.unmask_packed(reply[1:]) if packed else gradients.unmask(reply[1:])
+        if isinstance(gradients, label_he_pack.PackedBlockGradient):
+            gradient = gradients.unmask_packed_batch(reply[1:], pending)
+        else:
+            gradient = gradients.unmask_batch(reply[1:], pending)
         self.audit.record(source, AUDIT_HE_GRADIENT, gradient)
         return gradient
 
     def _reply(self, source: int, seq: int) -> np.ndarray:
-        """Dominator ``source``'s decryption for batch ``seq`` (its communication thread answers at
-        once: level 0 of the deadlines, protocols/liveness.py)."""
+        """Dominator ``source``'s decryption for batch ``seq`` (its decryption thread for this party
+        answers at once, this party's earlier batches first: level 0 of the deadlines,
+        protocols/liveness.py)."""
         liveness, since = self.control.liveness, self.control.liveness.clock()
         while True:
             try:

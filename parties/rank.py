@@ -8,12 +8,15 @@ exception in any rank into an abort of the whole job instead of a hang.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from parties.plan import JobPlan, leader_view
+if TYPE_CHECKING:
+    from parties.plan import JobPlan
 
 
 def run_party(config: JobPlan) -> None:
@@ -23,6 +26,7 @@ def run_party(config: JobPlan) -> None:
     from parties.lifecycle import report_verdicts_to, write_verdict
     from parties.loading import load_party
     from parties.orphans import die_with_parent
+    from parties.plan import leader_view
     from parties.runtime import name_os_thread
     from parties.threads import configure_rank
     from protocols.masking import PrecisionWarning
@@ -92,7 +96,31 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one VFB² party (run under mpiexec by `vfl train`)")
     parser.add_argument("--config", required=True, help="config.json, the job plan written by `vfl train`")
     args = parser.parse_args(argv)
-    run_party(JobPlan.from_json(Path(args.config).read_text()))
+    text = Path(args.config).read_text()
+    start_he_key_early(text)
+    from parties.plan import JobPlan  # after the key process's start: the import takes ~0.3 s
+
+    run_party(JobPlan.from_json(text))
+
+
+def start_he_key_early(plan_text: str) -> bool:
+    """A rank that will dominate under ``--label-privacy he`` starts its key process before anything
+    else, so that the key is generated while it imports, loads and joins (protocols/label_he_key_spawn.py
+    says why); the plan is read raw, its checks left to :class:`~parties.plan.JobPlan`. Whether a process
+    was started."""
+    from mpi4py import MPI
+
+    from protocols.label_he_key_spawn import start_early
+
+    try:
+        plan = json.loads(plan_text)
+        he, scheme, bits = plan["label_privacy"] == "he", plan["he_scheme"], plan["he_key_bits"]
+        dominates = MPI.COMM_WORLD.Get_rank() < plan["active"]
+    except (ValueError, KeyError, TypeError):
+        return False  # JobPlan.from_json says what is wrong
+    if not (he and dominates and isinstance(scheme, str) and isinstance(bits, int)):
+        return False
+    return start_early(scheme, bits)
 
 
 def exit_now() -> None:

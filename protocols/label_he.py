@@ -77,6 +77,7 @@ import re
 import secrets
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 import gmpy2
 import numpy as np
@@ -282,6 +283,13 @@ class LabelKey:
                                     f"does not decrypt ({_first_line(err)})") from None
 
 
+class Pending(NamedTuple):
+    """What a passive party keeps of one masked batch until its decryption comes back: the masks it
+    added (per column, or per slot under ``--he-pack``) and what honest ϑ's can sum to per column."""
+    masks: list[int]
+    bounds: np.ndarray
+
+
 class BlockGradient:
     """A passive party's side: its block's masked encrypted gradients, and the unmasked result."""
 
@@ -337,12 +345,23 @@ class BlockGradient:
         return masks, [r if r <= n // 2 else r - n for r in masks]
 
     def masked(self, payload: bytes, rows: np.ndarray, progress: Callable[[], None] | None = None) -> bytes:
-        """[[X_Bᵀϑ + r]] for the batch ``rows`` from the encrypted ϑ's in ``payload``; keeps r.
-        ``progress`` is called after each piece of the work but the last (:func:`progress_words`)."""
-        sums = self.column_sums(payload, rows, progress)
+        """[[X_Bᵀϑ + r]] for the batch ``rows`` from the encrypted ϑ's in ``payload``; keeps r for
+        :meth:`unmask`. ``progress`` is called after each piece of the work but the last
+        (:func:`progress_words`)."""
+        masked, pending = self.masked_batch(payload, rows, progress)
+        self._masks, self._bounds = pending
+        return masked
+
+    def masked_batch(self, payload: bytes, rows: np.ndarray, progress: Callable[[], None] | None = None
+                     ) -> tuple[bytes, Pending]:
+        """:meth:`masked` that returns its masks and bounds instead of keeping them, so that several
+        batches can wait for their decryptions at once (the label plane masks a batch as soon as it
+        arrives); :meth:`unmask_batch` takes them back, once."""
+        sums, bounds = self.sums_and_bounds(payload, rows, progress)
         # one fresh encryption per column, used once: it also re-randomises each column's sum
-        self._masks, masks = self.take_masks()
-        return masks.serialize() if sums is None else self._evaluator.add(sums, masks).serialize()
+        masks, encrypted = self.take_masks()
+        masked = encrypted.serialize() if sums is None else self._evaluator.add(sums, encrypted).serialize()
+        return masked, Pending(masks, bounds)
 
     def encrypt_masks(self) -> tuple[list[int], object]:
         """One masked pass's masks (:meth:`draw_masks`, one per column) and their fresh encryptions."""
@@ -369,6 +388,11 @@ class BlockGradient:
         """[[X_Bᵀϑ]] (d_l ciphertexts, None when the batch's rows are all zero in this block) from the
         encrypted ϑ's in ``payload``, every field checked; sets the bounds :meth:`unmask` checks.
         ``progress`` is called after each piece of the work but the last (:func:`progress_words`)."""
+        sums, self._bounds = self.sums_and_bounds(payload, rows, progress)
+        return sums
+
+    def sums_and_bounds(self, payload: bytes, rows: np.ndarray, progress: Callable[[], None] | None = None):
+        """:meth:`column_sums` and the bounds of the check after unmasking, returned, not kept."""
         hnp, _ = _heu()
         b = rows.size
         if not 0 < len(payload) <= ciphertext_limit(self.key_bits, b):
@@ -389,19 +413,18 @@ class BlockGradient:
         columns = blk.indices[nnz]
         d = blk.n_cols
         # what honest ϑ's (|ϑ| < 2^VALUE_BITS) can make of each column: the check after unmasking
-        self._bounds = np.bincount(columns, weights=np.abs(self._encoded[nnz]).astype(np.float64),
-                                   minlength=d) * 2.0**(VALUE_BITS + THETA_BITS)
-        if np.any(self._bounds >= 2.0**(RETURN_BITS - 2)):
+        bounds = np.bincount(columns, weights=np.abs(self._encoded[nnz]).astype(np.float64),
+                             minlength=d) * 2.0**(VALUE_BITS + THETA_BITS)
+        if np.any(bounds >= 2.0**(RETURN_BITS - 2)):
             raise ValueError(f"a column's gradient over {b} rows could leave the {RETURN_BITS}-bit return "
                              f"width: scale the features")
         try:  # the library computes on the peer's ciphertexts: what it cannot do is the peer's fault
             if self._modulus is not None:
                 self._check_jacobi(cts)
-            return self._column_sums(cts, nnz, position, columns, pieces, progress)
+            return self._column_sums(cts, nnz, position, columns, pieces, progress), bounds
         except ProtocolViolation:
             raise
         except Exception as err:  # e.g. a ciphertext of another scheme: "std::get: wrong index for variant"
-            self._masks = self._bounds = None
             raise ProtocolViolation(self.source, _WHAT_CT,
                                     f"does not compute under its key ({_first_line(err)})") from None
 
@@ -457,18 +480,23 @@ class BlockGradient:
         """The batch gradient Σ_i ϑ_i x_i (float64, d_l values) from the active party's reply; a value no
         honest batch can sum to ends the job naming the active party (module doc)."""
         assert self._masks is not None and self._bounds is not None, "masked() first"
-        values = _from_words(self.source, words, len(self._masks))
+        pending, self._masks, self._bounds = Pending(self._masks, self._bounds), None, None
+        return self.unmask_batch(words, pending)
+
+    def unmask_batch(self, words: np.ndarray, pending: Pending) -> np.ndarray:
+        """:meth:`unmask` with the masks and bounds :meth:`masked_batch` returned for this batch."""
+        masks, bounds = pending
+        values = _from_words(self.source, words, len(masks))
         full = 1 << RETURN_BITS
         out = np.empty(len(values))
-        for j, (v, r) in enumerate(zip(values, self._masks, strict=True)):
+        for j, (v, r) in enumerate(zip(values, masks, strict=True)):
             g = (v - r) % full
             g = g - full if g >= full >> 1 else g
-            if abs(g) > self._bounds[j]:
+            if abs(g) > bounds[j]:
                 raise ProtocolViolation(self.source, _WHAT_REPLY, f"column {j} unmasks to {abs(g):.3g}·2^-"
                                         f"{THETA_BITS + self.feature_bits}, more than the batch's ϑ's can "
                                         f"sum to: the decryption wrapped, which no honest key and reply do")
             out[j] = g / 2.0**(THETA_BITS + self.feature_bits)
-        self._masks = self._bounds = None
         return out
 
 

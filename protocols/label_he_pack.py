@@ -43,6 +43,7 @@ from protocols.label_he import (
     VALUE_BITS,
     BlockGradient,
     LabelKey,
+    Pending,
     ou_mask_bits,
 )
 
@@ -148,16 +149,24 @@ class PackedBlockGradient(BlockGradient):
             self._prepared_slots.append(self.encrypt_slot_masks())
 
     def masked_packed(self, payload: bytes, rows: np.ndarray) -> bytes:
-        """[[Σ_s 2^(ws)·(g_s + 2^G + r_s)]] per group of k columns, from the batch's encrypted ϑ's."""
+        """[[Σ_s 2^(ws)·(g_s + 2^G + r_s)]] per group of k columns, from the batch's encrypted ϑ's; keeps
+        the slot masks for :meth:`unmask_packed`."""
+        masked, (self._slot_masks, self._bounds) = self.masked_packed_batch(payload, rows)
+        return masked
+
+    def masked_packed_batch(self, payload: bytes, rows: np.ndarray) -> tuple[bytes, Pending]:
+        """:meth:`masked_packed` that returns the slot masks and bounds instead of keeping them
+        (:meth:`BlockGradient.masked_batch` says why); :meth:`unmask_packed_batch` takes them back."""
         lay, d = self.layout, self.block.n_cols
-        sums = self.column_sums(payload, rows)
+        sums, bounds = self.sums_and_bounds(payload, rows)
         count = lay.packed_count(d)
         try:  # a prepared set, removed from the pool: each is used once
-            self._slot_masks, masks = self._prepared_slots.popleft()
+            slot_masks, masks = self._prepared_slots.popleft()
         except IndexError:
-            self._slot_masks, masks = self.encrypt_slot_masks()
+            slot_masks, masks = self.encrypt_slot_masks()
+        pending = Pending(slot_masks, bounds)
         if sums is None:
-            return masks.serialize()
+            return masks.serialize(), pending
         ev = self._evaluator
         # an encrypted zero in the last value's slots past column d_l − 1
         zero = self._encryptor.encrypt(self._kit.array(np.zeros(1, np.int64), self._encoder)) \
@@ -173,14 +182,20 @@ class PackedBlockGradient(BlockGradient):
         acc = slot(lay.slots - 1)
         for s in range(lay.slots - 2, -1, -1):
             acc = ev.add(ev.mul(acc, shift), slot(s))
-        return ev.add(acc, masks).serialize()
+        return ev.add(acc, masks).serialize(), pending
 
     def unmask_packed(self, words: np.ndarray) -> np.ndarray:
         """The batch gradient (float64, d_l values) from the dominator's packed reply; a slot outside what
         the batch's honest ϑ's can sum to ends the job naming the dominator."""
         assert self._slot_masks is not None and self._bounds is not None, "masked_packed() first"
+        pending, self._slot_masks, self._bounds = Pending(self._slot_masks, self._bounds), None, None
+        return self.unmask_packed_batch(words, pending)
+
+    def unmask_packed_batch(self, words: np.ndarray, pending: Pending) -> np.ndarray:
+        """:meth:`unmask_packed` with the slot masks and bounds :meth:`masked_packed_batch` returned."""
+        slot_masks, bounds = pending
         lay, d = self.layout, self.block.n_cols
-        count = len(self._slot_masks) // lay.slots
+        count = len(slot_masks) // lay.slots
         if words.dtype != np.uint64 or words.shape != (count * lay.words,):
             raise ProtocolViolation(self.source, _WHAT_REPLY, f"{words.size} words, expected "
                                     f"{count * lay.words}")
@@ -188,9 +203,9 @@ class PackedBlockGradient(BlockGradient):
         packed = [sum(int(w) << (64 * i) for i, w in enumerate(row)) for row in rows]
         slots = unpack_slots(packed, count * lay.slots, lay)
         offset, out = 1 << lay.gradient_bits, np.empty(d)
-        for j, (slot, r) in enumerate(zip(slots, self._slot_masks, strict=True)):
+        for j, (slot, r) in enumerate(zip(slots, slot_masks, strict=True)):
             g = slot - r - offset
-            bound = self._bounds[j] if j < d else 0.0
+            bound = bounds[j] if j < d else 0.0
             if abs(g) > bound:
                 raise ProtocolViolation(self.source, _WHAT_REPLY, f"slot {j % lay.slots} of packed value "
                                         f"{j // lay.slots} (column {j}) unmasks to {abs(g):.3g}·2^-"
@@ -198,5 +213,4 @@ class PackedBlockGradient(BlockGradient):
                                         f"sum to: no honest key and reply give that")
             if j < d:
                 out[j] = g / 2.0**(THETA_BITS + self.feature_bits)
-        self._slot_masks = self._bounds = None
         return out

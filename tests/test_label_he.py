@@ -490,7 +490,8 @@ def test_with_epsilon_a_passive_party_gets_its_batch_gradient_only_from_noisy_th
     from −y/2 by δ moves them by at most ‖δ‖/σ). Every block, the active party's included, then differs
     from the noiseless run by γ/B·Σ_t X_Bᵀν_t, of spread σγ/B·√(Σ_t Σ_i x_ij²) per coordinate; an
     active party stepping with the true ϑ would differ by orders of magnitude less. The batches of a pass
-    hold each row at most once."""
+    hold each row at most once. The RMS ratio over a block's 10 correlated columns is wide: drawn from
+    this very model, 0.4–2.0 failed 6.7 % of correct jobs, 0.15–3.0 fails 0.015 %."""
     batch = 64
     train(tmp_path, "-n", "3", "-m", "1", "--algorithm", "sgd", "-B", str(batch), "--epochs", "3",
           "--label-privacy", "he", "--epsilon", "0.2", "--audit", *CANCER[:-2], "--gamma", "1e-4")
@@ -518,7 +519,7 @@ def test_with_epsilon_a_passive_party_gets_its_batch_gradient_only_from_noisy_th
         spread = sigma * 1e-4 / batch * np.sqrt(sum(np.asarray(X[r].multiply(X[r]).sum(axis=0)).ravel()
                                                     for r in passes))
         ratio = np.sqrt(np.mean(((np.load(tmp_path / f"party-{rank}.ckpt.npz")["w"] - plain) / spread) ** 2))
-        assert 0.4 < ratio < 2.0, (rank, ratio)
+        assert 0.15 < ratio < 3.0, (rank, ratio)
 
 
 def _hostile(tmp_path, *args: str):

@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> None:
     from parties.orphans import die_with_parent
     from parties.rank import train_guarded
     from parties.runtime import name_os_thread
+    from protocols.label_he_key_spawn import start_early
 
     die_with_parent()  # no orphan party if its proxy is killed (parties/orphans.py)
     name = args.name
@@ -80,6 +81,8 @@ def run(args: argparse.Namespace) -> None:
         folder = Path(args.folder)
         clear_folder(folder, resume=args.resume)
         plan = party_plan(job, rank, args)
+        if plan.label_privacy == "he" and rank < plan.active:  # the key made while it loads and joins
+            start_early(plan.he_scheme, plan.he_key_bits)
         party = load_party(plan, rank)
         plan = with_own_data(plan, party, rank)
     except (ConfigError, ValueError, OSError) as err:

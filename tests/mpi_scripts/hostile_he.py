@@ -24,9 +24,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from mpi4py import MPI
+
+from protocols.label_he_key_spawn import start_early
+
+if MPI.COMM_WORLD.Get_rank() == 0:  # its key made during the imports below, as in parties/rank.py
+    start_early("ou" if sys.argv[1] == "passive" or sys.argv[3:4] == ["ou"] else "paillier", 2048)
+
 import gmpy2
 import numpy as np
-from mpi4py import MPI
 
 from parties import label_plane
 from parties.runtime import PartyRuntime, PartyState, RuntimeOptions
@@ -133,12 +139,14 @@ def _passive_attack(runtime: PartyRuntime) -> dict[str, list]:
     kit, ev = gradients._kit, gradients._evaluator
     big = phe.BigintEncoder(phe.SchemaType.OU)
     read: dict[str, list] = {"rows": [], "values": []}
-    pending: list = []
+    pending: list = []  # per batch masked and not yet unmasked, oldest first (the label plane masks ahead)
+    count = [0]
 
     def masked(payload: bytes, rows: np.ndarray) -> bytes:
         cts = hnp.CiphertextArray.load_from(payload)
         b = rows.size
-        if len(pending) % 2 == 0:  # alternate: re-randomise, then pack
+        count[0] += 1
+        if count[0] % 2 == 1:  # alternate: re-randomise, then pack
             pick = list(range(b - 1))
             zeros = gradients._encryptor.encrypt(kit.array(np.zeros(b - 1, dtype=np.int64),
                                                            phe.IntegerEncoder(phe.SchemaType.OU, 1)))
@@ -149,7 +157,7 @@ def _passive_attack(runtime: PartyRuntime) -> dict[str, list]:
         return ev.add(cts[list(range(0, b, 2))], ev.mul(cts[list(range(1, b, 2))], shift)).serialize()
 
     def unmask(words: np.ndarray) -> np.ndarray:
-        kind, rows = pending[-1]
+        kind, rows = pending.pop(0)
         values = label_he._from_words(0, words, words.size // 2)
         scale = 2.0**label_he.THETA_BITS
         for k, v in enumerate(values):
@@ -166,14 +174,14 @@ def _passive_attack(runtime: PartyRuntime) -> dict[str, list]:
         return np.zeros(WIDTH)  # its own block takes no step: nothing to learn from there
 
     gradients.masked, gradients.unmask = masked, unmask
+    gradients.masked_batch = lambda payload, rows, progress=None: (masked(payload, rows), None)
+    gradients.unmask_batch = lambda words, _pending: unmask(words)
     return read
 
 
 def _dominator_attack(runtime: PartyRuntime, scenario: str) -> dict:
     """The dominator encrypts the scaled plaintexts (or, ``jacobi``, flips one ciphertext's symbol) and
     keeps every batch's rows and every full decryption, per passive party (filled in as the job runs)."""
-    from heu import numpy as hnp
-
     key = runtime.label.key
     honest_encrypt, honest_decrypt = key.encrypt, key.decrypt_masked
     n = label_he.paillier_modulus(key._kit.public_key())
@@ -195,13 +203,13 @@ def _dominator_attack(runtime: PartyRuntime, scenario: str) -> dict:
         return key._kit.evaluator().mul(ones, scaled).serialize()
 
     def decrypt_masked(source: int, payload: bytes, batch: int) -> np.ndarray:
-        values = key._decryptor.decrypt(hnp.CiphertextArray.load_from(payload)).to_numpy(key._big).ravel()
+        values = key.decrypt(source, payload, 1 << 20, "", "")  # every value, no count check
         read[source] += [int(v) for v in values]  # signed, as HEU decrypts: what read_features takes
         return honest_decrypt(source, payload, batch)
 
     def decrypt_packed(key, source: int, payload: bytes, batch: int, lay) -> np.ndarray:
         """--he-pack: every packed plaintext returned whole, in range or not (no honest check)."""
-        values = key._decryptor.decrypt(hnp.CiphertextArray.load_from(payload)).to_numpy(key._big).ravel()
+        values = key.decrypt(source, payload, 1 << 20, "", "")  # every value, no count check
         read[source] += [int(v) for v in values]
         return np.array([(int(v) >> (64 * w)) & ((1 << 64) - 1) for v in values for w in range(lay.words)],
                         dtype=np.uint64)
