@@ -58,8 +58,9 @@ def rr_epsilon(cap: float) -> float:
 
 
 def runtime_cap(epsilon: float, passes: int, delta: float = 1e-5) -> float:
-    """The AUC that ``dp-theta``'s fresh noise at (ε, δ) over ``passes`` guarantees against any attack on
-    an identity top's one-logit ϑ: Φ(√P / (σ√2)), σ the runtime's own noise multiplier."""
+    """The AUC that ``dp-theta``'s fresh noise at (ε, δ) over ``passes`` guarantees, row by row, against
+    any attack on an identity top's one-logit ϑ: Φ(√P / (σ√2)), σ the runtime's own noise multiplier.
+    Row by row: across rows, an attack also reads what the features predict (model completion does)."""
     from scipy.stats import norm
 
     from vertical.label_privacy import gaussian_noise_multiplier
@@ -160,7 +161,8 @@ def runtime_points() -> list[dict]:
 
 
 def table(rows: list[dict], runtime: list[dict]) -> str:
-    lines = ["| dataset | mechanism | AUC cap (any attack) | seeds | Δ accuracy, mean (min–max) |",
+    lines = ["| dataset | mechanism | AUC cap (optimal attack, per row) | seeds | "
+             "Δ accuracy, mean (min–max) |",
              "|---|---|---|---|---|"]
     groups: dict[tuple, list[float]] = {}
     for r in rows:

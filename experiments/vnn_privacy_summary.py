@@ -93,7 +93,7 @@ def table(runs: list[dict]) -> str:
 def pooled(runs: list[dict]) -> str:
     """The runs of one setting and ε pooled across tables (the same command on other days), with the
     three yardsticks of the goal side by side: the issue's direction attack, the strongest attack run
-    (projection), and the AUC that label-DP's ε guarantees against any attack (5 passes, exact
+    (projection), and the AUC that label-DP's ε guarantees per row against any attack (5 passes, exact
     sensitivity: :func:`experiments.label_dp_limit.runtime_cap`)."""
     from experiments.label_dp_limit import runtime_cap
 
@@ -102,7 +102,7 @@ def pooled(runs: list[dict]) -> str:
         if r["noise"] == "σ (exact)" and "epochs" not in r["setting"]:
             groups.setdefault((r["dataset"], r["setting"], r["epsilon"]), []).append(r)
     lines = ["| dataset | setting | ε | runs (tables) | Δ accuracy, mean (min–max) | direction AUC | "
-             "projection AUC (runs) | any attack: AUC ≤ |", "|---|---|---|---|---|---|---|---|"]
+             "projection AUC (runs) | label-DP: per row AUC ≤ |", "|---|---|---|---|---|---|---|---|"]
     for (dataset, setting, epsilon), rs in sorted(groups.items()):
         points = [r["points"] for r in rs]
         projections = [r["projection"] for r in rs if r["projection"] is not None]
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         f"Goal: AUC ≤ {GOAL_AUC} at ≥ {GOAL_POINTS:+g} point. Command: `python -m experiments "
         "vnn_privacy_summary`.\n\n" + text + "\n\n"
         "## Pooled by setting and ε (5 epochs, exact sensitivity)\n\n"
-        "The same setting's runs from every table, and the AUC that ε guarantees against any attack "
+        "The same setting's runs from every table, and the AUC that ε guarantees per row against any attack "
         "(label-DP's bound over 5 passes, an attacker who knows everything but the label).\n\n"
         + together + "\n")
     plot(runs, OUT / "privacy-summary.png")

@@ -175,7 +175,9 @@ def privacy(args, work: Path) -> list[dict]:
             if epsilon is None:
                 mode, extra = "plain", []
             elif args.mechanism == "dp":  # randomized response on the labels, drawn once per run
-                mode, extra = f"dp rr ε={epsilon:g}", ["--label-privacy", "dp", "--epsilon", f"{epsilon:g}"]
+                mode = f"dp rr{'-forward' if args.correction == 'forward' else ''} ε={epsilon:g}"
+                extra = ["--label-privacy", "dp", "--epsilon", f"{epsilon:g}", "--label-noise-correction",
+                         args.correction]
             else:
                 mode = f"dp-theta {args.theta_noise} ε={epsilon:g}"
                 extra = ["--label-privacy", "dp-theta", "--epsilon", f"{epsilon:g}", "--theta-noise",
@@ -203,12 +205,12 @@ def _attacks(out: Path, rank: int, seed: int) -> dict[str, float]:
         theta_projection,
     )
     from parties.checkpoint import complete_epochs, load_checkpoint
-    from parties.loading import load_party
+    from parties.loading import load_party, true_training_labels
     from parties.party_model import NetworkPart
     from parties.plan import JobPlan
 
     plan = JobPlan.from_json((out / "config.json").read_text())
-    y = load_party(plan, 0).y
+    y = true_training_labels(plan, 0)  # under --label-privacy dp, load_party's y is the noisy draw
     rng = np.random.default_rng(seed)
     known_rows = rng.choice(y.size, size=max(20, y.size // 100), replace=False)
     transcript = Transcript.load(out / f"audit-{rank}.npz")
@@ -316,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="privacy: how the protected runs noise ϑ (vfl train --theta-noise)")
     p.add_argument("--mechanism", choices=("dp-theta", "dp"), default="dp-theta",
                    help="privacy: the protected runs' --label-privacy (dp: randomized response on labels)")
+    p.add_argument("--correction", choices=("none", "forward"), default="none",
+                   help="privacy, --mechanism dp: vfl train --label-noise-correction")
     p.add_argument("--gamma-decay", type=float, default=0.0,
                    help="privacy: Adam's step decays by whole epochs (vfl train --gamma-decay)")
     p.add_argument("--lam", type=float, default=1e-4,

@@ -297,6 +297,11 @@ class RunConfig:
         help="--label-privacy dp-theta: fresh (each release of a row's ϑ with new noise, clipped to 1 "
              "under a top with parameters, composed over the passes; any top) or per-row (one noise draw "
              "per row for the whole run, one release's ε; identity top only: docs/vertical-networks.md)")
+    label_noise_correction: str = option(
+        "none", "--label-noise-correction", choices=("none", "forward"),
+        help="--label-privacy dp with --model mlp: forward trains the top's loss on the randomized labels "
+             "through their known flip rate, so the network predicts the true label's probability (none: "
+             "the noisy labels as if clean, Ghazi et al.'s baseline; docs/vertical-networks.md)")
     audit: bool = option(False, "--audit", budget=True,
                          help="each party records every message it receives to audit-<rank>.npz in its "
                               "own folder (--party-dir, default --out)")
@@ -440,6 +445,9 @@ def _check_label_privacy(c: RunConfig) -> None:
         _check_he(c)
     elif c.label_privacy == "dp-theta":
         _check_dp_theta(c)
+    if c.label_noise_correction != "none" and (c.label_privacy != "dp" or c.model != "mlp"):
+        raise ConfigError("--label-noise-correction corrects the loss of a network (--model mlp) for the "
+                          "randomized labels of --label-privacy dp: it needs both")
     if c.theta_noise != "fresh" and c.label_privacy != "dp-theta":
         raise ConfigError("--theta-noise chooses how --label-privacy dp-theta noises ϑ: it needs "
                           "--label-privacy dp-theta")

@@ -71,6 +71,14 @@ def load_party(config: JobPlan, rank: int, *, network: bool = True) -> PartyStat
 CSV_SUFFIXES = (".csv", ".csv.gz", ".csv.bz2")
 
 
+def true_training_labels(config: JobPlan, rank: int) -> np.ndarray:
+    """A label holder's training labels as its party file holds them: never ``--label-privacy dp``'s
+    randomized response (which :func:`load_party` returns, and draws afresh for a plan that is not
+    resuming). An attack is judged against these."""
+    data = read_own_party(own_party_file(config.party_files, rank), True, config.problem)
+    return np.asarray(data.y_train, dtype=np.float64)
+
+
 def own_party_file(path: str | Path, rank: int) -> Path:
     """A rank's data: ``party-<rank>`` of a split folder, or a party's file or folder itself (a party
     started on its own, ``vfl party --data``, holds only its own): a ``party-<p>/`` folder, an ``.npz``,

@@ -178,6 +178,16 @@ def part_of(party) -> LinearPart | NetworkPart:
     return NetworkPart(party) if getattr(party, "network", None) is not None else LinearPart(party)
 
 
+def label_flip(config) -> float:
+    """``--label-noise-correction forward``: the flip rate of ``--label-privacy dp``'s labels, which the
+    top's loss undoes in expectation; 0 otherwise (the labels taken as they are)."""
+    if config.label_noise_correction != "forward":
+        return 0.0
+    from vertical.label_privacy import flip_probability
+
+    return flip_probability(config.epsilon)
+
+
 def attach_network(config, party, X_train) -> None:
     """``--model mlp``: give ``party`` its network (its ``--bottom`` spec, seeded ``seed + rank``) and, at
     the label holder, the top (seeded ``seed + q``, as :func:`vertical.nn.networks.build_split_network`
@@ -197,7 +207,8 @@ def attach_network(config, party, X_train) -> None:
         if party.y is not None:
             party.classes = as_classes(party.y)
             party.top = MLPTop(config.top, class_count(party.y, party.y_test), k=party.network.k,
-                               optimizer=optimizer, seed=config.seed + config.parties)
+                               optimizer=optimizer, seed=config.seed + config.parties,
+                               label_flip=label_flip(config))
     except ValueError as err:
         raise ValueError(f"party {party.rank}: {err}") from None
 

@@ -226,11 +226,17 @@ class MLPTop(TopModel):
 
     def __init__(self, spec: str, n_classes: int, *, k: int | None = None,
                  optimizer: OptimizerSpec | None = DEFAULT_OPTIMIZER, seed: int = 0,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", label_flip: float = 0.0) -> None:
         if n_classes < 2:
             raise ValueError(f"a classifier needs at least 2 classes, got {n_classes}")
+        if not 0.0 <= label_flip < 0.5 or (label_flip and n_classes != 2):
+            raise ValueError(f"label_flip is a binary label's flip probability in [0, 0.5), got {label_flip}")
         self.n_classes = int(n_classes)
         self.binary = n_classes == 2
+        #: the training labels were flipped with this probability (randomized response): the loss is that
+        #: of the flip applied to the network's probability (the forward correction), so the network
+        #: itself estimates the true label's probability
+        self.label_flip = float(label_flip)
         self.widths = parse_spec(spec, first=k, last=1 if self.binary else n_classes, what="top")
         self.k = self.widths[0]
         self.dtype = dtype_of(dtype)
@@ -239,6 +245,10 @@ class MLPTop(TopModel):
         self.optimizer = optimizer.build(params) if params and optimizer is not None else None
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        if self.binary and self.label_flip:
+            rho = self.label_flip
+            noisy = rho + (1 - 2 * rho) * torch.sigmoid(logits[..., 0])  # in [ρ, 1 − ρ]: finite logs
+            return nn.functional.binary_cross_entropy(noisy, y.to(logits.dtype), reduction=reduction)
         if self.binary:
             return nn.functional.binary_cross_entropy_with_logits(logits[..., 0], y.to(logits.dtype),
                                                                   reduction=reduction)
