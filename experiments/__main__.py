@@ -77,7 +77,7 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "label_dp_sim": ("experiments.label_dp_sim",
                      "he --epsilon's noise (on ϑ, on the gradient, RR labels) in one process, no HE"),
     "label_dp_limit": ("experiments.label_dp_limit",
-                       "the accuracy a cap on every label attack (AUC) costs an ideal central learner"),
+                       "what label-DP's per-row AUC cap costs a central logistic regression (a reference)"),
     "label_attacks": ("experiments.label_attacks",
                       "label inference by a curious passive party from its own transcript, per mode"),
     "default_step": ("experiments.bench_default_step",

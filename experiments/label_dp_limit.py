@@ -1,8 +1,8 @@
-"""What a cap on every label attack costs a central learner: issue 28's goal in context.
+"""What label-DP's per-row cap on label attacks costs a central learner: issue 28's goal in context.
 
 The goal: a passive party's label attack at AUC ≤ 0.60 for ≤ 1 point of accuracy. A measured attack
-reads less than the most that label-DP allows, so this asks what the cap costs when it must hold for
-every attack (the attacker knows everything but the row's label), with no VFL, no network and no
+reads less than the most that label-DP allows, so this asks what the cap costs when it must hold row
+by row for the optimal attack (one that knows everything but the row's label), with no VFL, no network and no
 asynchrony in the way: one L2 logistic regression on all columns, trained centrally on labels that went
 through the mechanism. It is a reference, not a bound: a better-tuned learner may pay less.
 
@@ -59,7 +59,8 @@ def rr_epsilon(cap: float) -> float:
 
 def runtime_cap(epsilon: float, passes: int, delta: float = 1e-5) -> float:
     """The AUC that ``dp-theta``'s fresh noise at (ε, δ) over ``passes`` guarantees, row by row, against
-    any attack on an identity top's one-logit ϑ: Φ(√P / (σ√2)), σ the runtime's own noise multiplier.
+    any attack on an identity top's one-logit ϑ: Φ(√P / (σ√2)), σ the runtime's own noise multiplier
+    (σ grows as √P at a fixed ε, so the cap hardly depends on P: a run charged 6 releases has it too).
     Row by row: across rows, an attack also reads what the features predict (model completion does)."""
     from scipy.stats import norm
 
@@ -198,7 +199,7 @@ def plot(rows: list[dict], runtime: list[dict], path: Path) -> None:
                    label=labels["runtime"])
         ax.axvline(GOAL_AUC, color="black", lw=0.8, ls="--")
         ax.axhline(GOAL_POINTS, color="black", lw=0.8, ls="--")
-        ax.set_title(f"{dataset}: the price of a cap on every label attack")
+        ax.set_title(f"{dataset}: the price of label-DP's per-row cap")
         ax.set_xlabel("AUC the best attack can reach (label-DP's guarantee)")
         ax.set_ylabel("test accuracy − without protection (points)")
     handles, names = axes[0][0].get_legend_handles_labels()
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     loads = [r["load"] for r in rows]
     (OUT / "limit.md").write_text(
         "The accuracy an L2 logistic regression on all columns (λ picked without a clean label) loses when "
-        "every label attack is capped at an AUC, beside the runtime networks (bottoms `*-16-1`, top 1, "
+        "the optimal attack on a row's label is capped at an AUC, beside the runtime networks (bottoms "
+        "`*-16-1`, top 1, "
         f"{RUNTIME_SETTING}, 5 epochs) at the cap their ε guarantees. Command: `python -m "
         f"experiments label_dp_limit --seeds {args.seeds}`; {cpu_model()}, load {min(loads):.1f}–"
         f"{max(loads):.1f}.\n\n" + text + "\n")

@@ -207,9 +207,9 @@ def _attacks(out: Path, rank: int, seed: int) -> dict[str, float]:
     from parties.checkpoint import complete_epochs, load_checkpoint
     from parties.loading import load_party, true_training_labels
     from parties.party_model import NetworkPart
-    from parties.plan import JobPlan
+    from parties.resume import load_run
 
-    plan = JobPlan.from_json((out / "config.json").read_text())
+    plan = load_run(out)  # resume on: nothing the run drew (scaling, randomized labels) is drawn again
     y = true_training_labels(plan, 0)  # under --label-privacy dp, load_party's y is the noisy draw
     rng = np.random.default_rng(seed)
     known_rows = rng.choice(y.size, size=max(20, y.size // 100), replace=False)
@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tag", default="",
                    help="appended to the output files' names, so that a variant keeps its own tables")
     args = p.parse_args(argv)
+    if args.correction != "none" and args.mechanism != "dp":
+        p.error("--correction corrects --mechanism dp's randomized labels: it needs --mechanism dp")
     if args.part in ("accuracy", "privacy"):
         if args.epochs != int(args.epochs):
             p.error(f"--part {args.part} trains whole epochs")

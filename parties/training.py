@@ -360,8 +360,7 @@ class _Trainer:
             return None
         top, classes = self.party.top, self.party.classes
         assert z is not None and top is not None and classes is not None
-        chance = top.predict_proba(z)[np.arange(classes.size), classes]
-        loss = float(-np.mean(np.log(np.clip(chance, 1e-300, None))))
+        loss = top.loss(z, classes)  # the objective the top trains (corrected under label_flip)
         record: dict = {"epoch": round(self.epochs, 6), "time": round(self.train_time, 6),
                         "updates": self.updates, "loss": loss}
         if self.config.gamma_decay:

@@ -222,15 +222,18 @@ class MLPBottom(PartyModel):
 class MLPTop(TopModel):
     """The top network on ``z`` (width k) and the loss: logistic on one logit for 2 classes, softmax
     cross-entropy for more. ``spec`` runs from k to the number of logits (``*`` for it); ``optimizer=None``:
-    for inference only, as :class:`MLPBottom`."""
+    for inference only, as :class:`MLPBottom`. ``label_flip`` ρ > 0 (binary): the training labels were
+    flipped with probability ρ, and the loss is theirs through the flip (the forward correction)."""
 
     def __init__(self, spec: str, n_classes: int, *, k: int | None = None,
                  optimizer: OptimizerSpec | None = DEFAULT_OPTIMIZER, seed: int = 0,
                  dtype: str = "float32", label_flip: float = 0.0) -> None:
         if n_classes < 2:
             raise ValueError(f"a classifier needs at least 2 classes, got {n_classes}")
-        if not 0.0 <= label_flip < 0.5 or (label_flip and n_classes != 2):
+        if not 0.0 <= label_flip < 0.5:
             raise ValueError(f"label_flip is a binary label's flip probability in [0, 0.5), got {label_flip}")
+        if label_flip and n_classes != 2:
+            raise ValueError(f"label_flip corrects flipped binary labels only, not {n_classes} classes")
         self.n_classes = int(n_classes)
         self.binary = n_classes == 2
         #: the training labels were flipped with this probability (randomized response): the loss is that
@@ -311,6 +314,14 @@ class MLPTop(TopModel):
         with torch.no_grad():
             loss = float(self._loss(self.net(z_t), labels))
         return theta, loss
+
+    def loss(self, z, y) -> float:
+        """The batch-mean training loss on rows ``z`` with labels ``y`` (no gradient): the mean log loss,
+        or under ``label_flip`` the corrected one the top trains, so that the run logs (and its
+        divergence check watches) the objective it optimises, not the noisy labels' plain log loss."""
+        with torch.no_grad():
+            logits = self.net(torch.as_tensor(np.asarray(z), dtype=self.dtype)).to(torch.float64)
+            return float(self._loss(logits, self._labels(y)))
 
     def predict_proba(self, z):
         with torch.no_grad():
