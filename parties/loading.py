@@ -172,34 +172,53 @@ def read_scaling(path: Path, n_cols: int, mode: str, digest: np.ndarray | None =
 
 
 def noisy_labels(config: JobPlan, rank: int, y: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """``--label-privacy dp``: the randomized response of this party's training labels, drawn **once per
-    run** and kept in its own folder (``label-dp-<rank>.npz``).
+    """``--label-privacy dp``: the randomized response of this party's training labels, drawn **once**
+    and kept in its own folder (``label-dp-<rank>.npz``).
 
     ε-label-DP holds for one draw. Each further draw is another release of the same labels: a passive
     party that saw rows before and after a ``--resume`` with a fresh draw would combine two noisy copies
-    (87.7 % correct at ε = 1 instead of 73.1 %, the 2ε level). So a fresh run draws and saves, and a
-    resumed run reads the draw back, checked against the labels' ids and ε, and refuses without it.
-    The draw is a secret only this party makes (OS entropy): a seed anyone could read would let them
-    undo the flips."""
+    (87.7 % correct at ε = 1 instead of 73.1 %, the 2ε level). So a resumed run reads the draw back,
+    checked against the labels' ids and ε, and refuses without it; and any other load of the same rows,
+    labels and ε in this folder (a fresh run over an old one, or a tool that loads a finished run's plan
+    without ``resume``) reuses the draw instead of making a second one. Only other rows, labels or ε draw
+    anew. The draw is a secret only this party makes (OS entropy): a seed anyone could read would let
+    them undo the flips; the labels' digest stays in this party's own folder."""
     from vertical.label_privacy import randomized_response
 
     path = config.party_folder(rank) / f"label-dp-{rank}.npz"
     digest = np.frombuffer(ids_digest(ids, np.zeros(0, dtype=np.int64)), dtype=np.uint8)
+    labels = np.frombuffer(hashlib.sha256(np.ascontiguousarray(y, dtype="<f8").tobytes()).digest(),
+                           dtype=np.uint8)
+    saved = _saved_draw(path, config.epsilon, digest, y.shape)
     if not config.resume:
+        if saved is not None and saved[1] is not None and np.array_equal(saved[1], labels):
+            return saved[0]  # these labels were drawn here already: one release, not two
         drawn = randomized_response(y, config.epsilon, np.random.default_rng())
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda fh: np.savez(fh, y=drawn, epsilon=config.epsilon, ids_digest=digest))
+        atomic_write(path, lambda fh: np.savez(fh, y=drawn, epsilon=config.epsilon, ids_digest=digest,
+                                               labels_digest=labels))
         return drawn
     if not path.exists():
         raise ValueError(f"{path} is missing: resuming would draw the randomized response again and "
                          "release the labels twice (2ε); start the run again without --resume")
+    if saved is None or (saved[1] is not None and not np.array_equal(saved[1], labels)):
+        raise ValueError(f"{path} is not this run's randomized response (ε, other rows or labels): start "
+                         "the run again without --resume")
+    return saved[0]
+
+
+def _saved_draw(path: Path, epsilon: float, digest: np.ndarray, shape) -> tuple | None:
+    """The draw saved at ``path`` and its labels' digest (None for a file written before it was kept),
+    if it is one of these rows at this ε; None otherwise."""
+    if not path.exists():
+        return None
     with np.load(path, allow_pickle=False) as z:
-        drawn, epsilon, saved = z["y"], float(z["epsilon"]), z["ids_digest"]
-    if epsilon != config.epsilon or not np.array_equal(saved, digest) or drawn.shape != y.shape \
+        drawn, saved_epsilon, saved_ids = z["y"], float(z["epsilon"]), z["ids_digest"]
+        labels = z["labels_digest"] if "labels_digest" in z.files else None
+    if saved_epsilon != epsilon or not np.array_equal(saved_ids, digest) or drawn.shape != shape \
             or not np.isin(drawn, (-1.0, 1.0)).all():
-        raise ValueError(f"{path} is not this run's randomized response (ε {epsilon:g}, other rows or "
-                         "labels): start the run again without --resume")
-    return drawn
+        return None
+    return drawn, labels
 
 
 def ids_digest(train_ids: np.ndarray, test_ids: np.ndarray) -> bytes:

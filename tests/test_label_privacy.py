@@ -107,6 +107,25 @@ def test_the_randomized_response_is_drawn_once_and_kept_in_the_partys_folder(tmp
         noisy_labels(resumed, 0, y, ids)
 
 
+def test_a_second_fresh_load_of_the_same_labels_reuses_the_draw_and_other_labels_draw_anew(tmp_path):
+    """A tool that loads a finished run's plan without resume, or a fresh run over an old one, must not
+    make a second draw of the same labels (the next --resume would then train on it: 2ε in all). Other
+    labels (or ε) are another release, drawn afresh; a resume refuses a draw of other labels."""
+    y = np.where(np.arange(400) % 3 == 0, 1.0, -1.0)
+    ids = np.arange(400, dtype=np.int64)
+    fresh = JobPlan.of(RunConfig(dataset="breast-cancer", label_privacy="dp", epsilon=1.0, out=str(tmp_path)))
+    drawn = noisy_labels(fresh, 0, y, ids)
+    assert np.array_equal(noisy_labels(fresh, 0, y, ids), drawn)
+    relabelled = -y
+    other = noisy_labels(fresh, 0, relabelled, ids)
+    assert 0.15 < np.mean(other != relabelled) < 0.4 and not np.array_equal(other, drawn)
+    resumed = JobPlan.of(RunConfig(dataset="breast-cancer", label_privacy="dp", epsilon=1.0,
+                                   out=str(tmp_path), resume=True))
+    with pytest.raises(ValueError, match="not this run's randomized response"):
+        noisy_labels(resumed, 0, y, ids)  # the folder now holds the draw of the other labels
+    assert np.array_equal(noisy_labels(resumed, 0, relabelled, ids), other)
+
+
 # ------------------------------------------- --label-privacy he --epsilon: Gaussian noise on gradients
 
 
