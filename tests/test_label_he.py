@@ -509,7 +509,8 @@ def test_with_epsilon_a_passive_party_gets_its_batch_gradient_only_from_noisy_th
         z = np.concatenate([np.linalg.solve(np.linalg.cholesky(sigma**2 * (X[r].T @ X[r]).toarray()),
                                             g - X[r].T @ (-y[r] / 2))
                             for r, g in zip(rows, gradients, strict=True)])
-        assert z.size == 24 * 10 and abs(z.std() - 1) < 0.15 and abs(z.mean()) < 4 / math.sqrt(z.size)
+        # 240 whitened draws: |std − 1| ≥ 0.18 in 0.008 % of correct jobs (χ²; 0.15 failed 0.10 %)
+        assert z.size == 24 * 10 and abs(z.std() - 1) < 0.18 and abs(z.mean()) < 4 / math.sqrt(z.size)
         for start in range(0, len(rows) - 6, 7):  # a pass: 7 batches of 64 of the 455 rows
             chunk = np.concatenate(rows[start:start + 7])
             assert np.unique(chunk).size == chunk.size
