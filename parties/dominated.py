@@ -35,8 +35,8 @@ class _Segment:
     """One :meth:`DominatedLoop.dominate` call: its rows, the requests out (oldest first), the step it
     is at, and (``--piggyback``) the last step's held (ϑ, i) message."""
 
-    __slots__ = ("deadline", "done", "finished", "held", "issued", "n_steps", "others", "pending", "rows",
-                 "scores")
+    __slots__ = ("deadline", "done", "finished", "held", "issued", "issuing", "n_steps", "others", "pending",
+                 "rows", "scores")
 
     def __init__(self, rows: np.ndarray, n_steps: int, deadline: float | None, others: list[int]) -> None:
         self.rows, self.n_steps, self.deadline, self.others = rows, n_steps, deadline, others
@@ -46,6 +46,9 @@ class _Segment:
         self.issued = self.done = 0
         self.held: np.ndarray | None = None
         self.finished = threading.Event()
+        #: inline: requests are being issued; a result that arrives meanwhile (every child's sum can come
+        #: before this party's own start completes a request at once) waits in ``scores``
+        self.issuing = False
 
 
 class DominatedLoop:
@@ -86,7 +89,7 @@ class DominatedLoop:
             self._started[(self.rank, rid)] = time.monotonic()
         self._straggle(started)
         self._send_all(step.outgoing)
-        if isinstance(step.event, Completed):  # q = 1 never happens; kept exact for a leaf-less tree
+        if isinstance(step.event, Completed):  # every child's sum came before this start (a descheduled root)
             self.results.pop(rid)(step.event.result())
         return rid, slot
 
@@ -114,8 +117,7 @@ class DominatedLoop:
         seg = _Segment(rows, n_steps, deadline, [r for r in range(self.q) if r != self.rank])
         if self.inline:
             with self.inline_lock:
-                if self._proceed(seg):
-                    seg.finished.set()
+                self._drain(seg)
             seg.finished.wait()
             return seg.done
         while not self._proceed(seg):
@@ -126,31 +128,45 @@ class DominatedLoop:
     def _proceed(self, seg: _Segment) -> bool:
         """Start what the segment may start now (a held ϑ rides on the first request, or goes alone if
         none can start); whether the segment is over (nothing out, nothing more to start)."""
-        while (seg.issued < seg.n_steps and len(seg.pending) < self.inflight
-               and self._may_start(seg.issued, seg.deadline)):
-            step_rows = seg.rows[seg.issued]
-            on_result = functools.partial(self._on_scores, seg) if self.inline else None
-            rid, slot = self._request(step_rows, seg.held, on_result)
-            seg.pending.append((step_rows, rid, slot))
-            seg.held = None
-            seg.issued += 1
+        seg.issuing = True
+        try:
+            while (seg.issued < seg.n_steps and len(seg.pending) < self.inflight
+                   and self._may_start(seg.issued, seg.deadline)):
+                step_rows = seg.rows[seg.issued]
+                on_result = functools.partial(self._on_scores, seg) if self.inline else None
+                rid, slot = self._request(step_rows, seg.held, on_result)
+                seg.pending.append((step_rows, rid, slot))
+                seg.held = None
+                seg.issued += 1
+        finally:
+            seg.issuing = False
         if seg.held is not None:  # no request to ride on: it goes alone, now
             self._broadcast_theta(seg.held, seg.others)
             seg.held = None
         return not seg.pending
 
     def _on_scores(self, seg: _Segment, rid: int, scores: np.ndarray) -> None:
-        """Inline path, in the communication thread: request ``rid``'s scores; every step whose
-        scores are in, in request order, then the next requests; the end of the segment wakes
-        :meth:`dominate`."""
+        """Inline path, in the communication thread: request ``rid``'s scores, then :meth:`_drain`;
+        while requests are being issued (this call came from inside one) they only wait in line."""
         with self.inline_lock:
             seg.scores[rid] = scores
-            while seg.pending and seg.pending[0][1] in seg.scores:
+            if not seg.issuing:
+                self._drain(seg)
+
+    def _drain(self, seg: _Segment) -> None:
+        """Inline path: each step whose scores are in, in request order, and after each the requests
+        that may start (a held ϑ rides on the next one); the end of the segment wakes :meth:`dominate`.
+        A request can complete while it is issued, when every child's partial sum came before this
+        party's own start: its scores are then in line before the request is, and are taken here."""
+        while True:
+            if seg.pending and seg.pending[0][1] in seg.scores:
                 step_rows, done_rid, _ = seg.pending.popleft()
                 self._step(seg, step_rows, seg.scores.pop(done_rid))
-                if self._proceed(seg):
-                    seg.finished.set()
-                    return
+            if self._proceed(seg):
+                seg.finished.set()
+                return
+            if not seg.pending or seg.pending[0][1] not in seg.scores:
+                return
 
     def _step(self, seg: _Segment, step_rows: np.ndarray, scores: np.ndarray) -> None:
         """One dominated update from its scores: ϑ, its dispatch (or held for the next request), this
