@@ -159,13 +159,7 @@ class LabelPlane:
         thread, which answers it (:meth:`decrypt_for`) and sends the reply. The communication thread
         goes back to its other messages (the dominated loop's own aggregation replies among them) instead
         of waiting for the key process's answer, which on a loaded machine waits for a core."""
-        if source not in self._decrypters:
-            inbox: queue.SimpleQueue = queue.SimpleQueue()
-            self._decrypters[source] = inbox
-            guard = functools.partial(guarded, self.control.comm, self.rank)
-            threading.Thread(target=guard(self._decrypt_loop), args=(source, inbox, transport),
-                             name=f"decrypt-{source}", daemon=True).start()
-        self._decrypters[source].put((msg, sent))
+        self._inbox(self._decrypters, source, self._decrypt_loop, "decrypt", transport).put((msg, sent))
 
     def _decrypt_loop(self, source: int, inbox: queue.SimpleQueue, transport) -> None:
         """``source``'s masked gradients in order: each checked, decrypted and answered."""
@@ -208,13 +202,18 @@ class LabelPlane:
         once. The gradient depends on ϑ and this party's features only, not on its model, so it need not
         wait until the worker has applied the batches before (:meth:`passive_gradient`): the masking of
         batch t + 1 overlaps the dominator's decryption of batch t, and the steps stay exactly the same."""
-        if source not in self._maskers:
+        self._inbox(self._maskers, source, self._mask_loop, "mask", transport).put((seq, rows, payload))
+
+    def _inbox(self, inboxes: dict, source: int, loop, role: str, transport) -> queue.SimpleQueue:
+        """``source``'s inbox in ``inboxes``, its thread (``role-source``, running ``loop``) started on
+        first use: one thread per peer, so one slow peer's work never waits behind another's."""
+        if source not in inboxes:
             inbox: queue.SimpleQueue = queue.SimpleQueue()
-            self._maskers[source] = inbox
+            inboxes[source] = inbox
             guard = functools.partial(guarded, self.control.comm, self.rank)
-            threading.Thread(target=guard(self._mask_loop), args=(source, inbox, transport),
-                             name=f"mask-{source}", daemon=True).start()
-        self._maskers[source].put((seq, rows, payload))
+            threading.Thread(target=guard(loop), args=(source, inbox, transport),
+                             name=f"{role}-{source}", daemon=True).start()
+        return inboxes[source]
 
     def _mask_loop(self, source: int, inbox: queue.SimpleQueue, transport) -> None:
         """``source``'s batches in order: the masked gradient to the dominator, the masks and bounds kept

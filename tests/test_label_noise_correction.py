@@ -118,3 +118,21 @@ def test_a_corrected_job_learns_resumes_on_its_one_draw_and_its_passive_transcri
         auc = max(attack["auc"], 1 - attack["auc"])
         # the transcript is the resumed half's (2 epochs): most rows, not all
         assert attack["coverage"] > 0.8 and auc <= ceiling, (read.__name__, attack)
+
+
+@pytest.mark.mpi
+def test_a_corrected_lock_step_job_with_decay_and_half_epoch_evaluations_logs_the_loss_it_trains(tmp_path):
+    """The correction with `--mode sync`, `--gamma-decay` and `--eval-every 0.5`: the job learns, every
+    half epoch is evaluated, the step decays, and the logged loss is the corrected one the top trains:
+    below −log ρ (1.31 at ε = 1), and falling, where the plain log loss of the ever more confident
+    network on the flipped labels rises."""
+    train(tmp_path, *NET, "--label-privacy", "dp", "--epsilon", "1", "--label-noise-correction", "forward",
+          "--mode", "sync", "--gamma-decay", "1", "--eval-every", "0.5", "--epochs", "3")
+    records = metrics(tmp_path)
+    assert [r["epoch"] for r in records] == [0.5 * e for e in range(7)]
+    assert records[-1]["test_accuracy"] >= 0.85
+    assert records[-1]["gamma"] < records[1]["gamma"]
+    rho = flip_probability(1.0)
+    assert all(0 < r["loss"] < -np.log(rho) for r in records)
+    # the objective falls as it is trained; the plain log loss on the flipped labels rose (0.63 → 0.74)
+    assert records[-1]["loss"] < records[1]["loss"]
