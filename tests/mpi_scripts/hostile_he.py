@@ -28,7 +28,9 @@ from mpi4py import MPI
 
 from protocols.label_he_key_spawn import start_early
 
-if MPI.COMM_WORLD.Get_rank() == 0:  # its key made during the imports below, as in parties/rank.py
+# rank 0's key is made while the imports below run, as in parties/rank.py; not when a test imports this file
+# for its constants (its argv is then pytest's)
+if __name__ == "__main__" and MPI.COMM_WORLD.Get_rank() == 0:
     start_early("ou" if sys.argv[1] == "passive" or sys.argv[3:4] == ["ou"] else "paillier", 2048)
 
 import gmpy2
