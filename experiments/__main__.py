@@ -28,6 +28,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                  "an HFL round idle and beside a 4-party job: torch thread settings, parties.hfl 4 ranks"),
     "piggyback": ("experiments.bench_piggyback",
                   "--piggyback vs plain dispatch: time per dominated update, with a serial run beside"),
+    "hot_path_floor": ("experiments.bench_hot_path_floor",
+                       "the B = 1 exchange in one compiled loop per rank vs vfl train, alone and beside"),
     "hot_path": ("experiments.bench_hot_path",
                  "the B = 1 hot path vs an earlier commit, alternating: alone and beside a second job"),
     "update_profile": ("experiments.bench_update_profile",

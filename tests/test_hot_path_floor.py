@@ -1,0 +1,31 @@
+"""``python -m experiments hot_path_floor``: the B = 1 exchange in one compiled loop per rank (issue 30).
+Its time is only worth comparing if it does the runtime's work: the masked sums must be exact and a bad
+message must end the job naming its sender, as in the runtime."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.bench_hot_path_floor import compiled_ms, table
+
+pytestmark = pytest.mark.mpi
+
+
+def test_the_compiled_loops_masked_trees_give_every_root_the_exact_sum():
+    """γ = 0 and every rank knows every block: each of the 4 × 100 requests' z must equal Σ_l w_l·x_il
+    (the loop ends the job otherwise), through the job's own tree pairs and uniform 64-bit masks."""
+    result = compiled_ms(400 / 455, mode="check", dataset="breast-cancer", rows=455)
+    assert result["checked"] and result["updates"] == 400
+    assert result["ms_per_update"] > 0
+
+
+def test_a_request_for_a_row_past_the_end_ends_the_compiled_loop_naming_its_sender():
+    with pytest.raises(RuntimeError, match=r"\[party 0\] party 3 sent a row out of range"):
+        compiled_ms(0.2, mode="forge", dataset="breast-cancer", rows=455)
+
+
+def test_the_table_states_the_ratio_and_the_load():
+    measured = [("vfl train", 0.6), ("compiled loop", 0.1), ("vfl train", 0.4), ("compiled loop", 0.1)]
+    runs = [{"method": m, "setting": "alone", "ms_per_update": ms, "load_before": 1.0} for m, ms in measured]
+    text = table({"cpu": "x", "command": "c"}, runs)
+    assert "**5.0×**" in text and "0.500 (0.400–0.600)" in text and "1.0–1.0" in text
