@@ -6,12 +6,12 @@ structural change the issue proposes could be on this machine, before building i
 Per update of dominator r, as in the runtime (docs/runtime.md): r sends ``REQUEST(r, rid, i)`` to every
 other party; every party adds ``enc(w_l·x_il) + δ`` to its accumulator of tree 1 of r's pair
 (``protocols/trees.py``, the job's own pairs) and ``δ`` to tree 2's, and forwards each to its parent once
-its children's sums are in; r decodes ``z = ξ1 − ξ2`` (fixed point in Z_2^64, uniform 64-bit masks drawn
-from ``os.urandom``), takes ϑ = −y σ(−y z), sends ``THETA(r, rid, i, ϑ)`` to every other party and steps its
-own block; each party steps on arrival. One request open per dominator (``--inflight 1``). Every message is
-checked on arrival (length, kind, root, request id, row range, a sender that may send it); a bad one ends
-the rank naming its sender. Not here (what the floor leaves out): the AES keystream, the overflow word,
-liveness, sealing, segments and evaluation.
+its children's sums are in; r decodes ``z = ξ1 − ξ2`` (fixed point in Z_2^64; the masks are the runtime's
+own keystream, :class:`protocols.masking.Keystream`, drawn before the loop), takes ϑ = −y σ(−y z), sends
+``THETA(r, rid, i, ϑ)`` to every other party and steps its own block; each party steps on arrival. One
+request is open per dominator (``--inflight 1``). Every message is checked on arrival (length, kind, root,
+request id, row range, a sender that may send it); a bad one ends the rank naming its sender. What this
+floor leaves out: the overflow word, liveness, sealing, segments and evaluation.
 
 argv: ``dataset updates_per_dominator gamma out.json [check|forge]``; ``check``: γ = 0 and every rank knows
 every block (seeded), so each root compares z with the plain Σ_l w_l·x_il (the masks must cancel exactly);
@@ -22,7 +22,6 @@ naming it.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -33,6 +32,7 @@ import scipy.sparse as sp
 from mpi4py import MPI
 from numba import njit, types
 
+from protocols.masking import Keystream
 from protocols.trees import build_all_tree_pairs
 from vertical.datasets import load
 from vertical.partition import block_of, contiguous_blocks
@@ -237,14 +237,15 @@ def main(argv: list[str]) -> None:
     pairs = build_all_tree_pairs(q, 0)
     parents = np.array([[pairs[r].tree(t).parent for r in range(q)] for t in range(2)], dtype=np.int64)
     rows = np.random.default_rng([0, me]).integers(0, n, per_dominator).astype(np.int64)
-    masks = np.frombuffer(os.urandom(8 * q * per_dominator), dtype=np.uint64).copy()
+    keystream = Keystream()
+    masks = keystream.words(q * per_dominator).copy()
     u64, world = MPI._handleof(MPI.UINT64_T), MPI._handleof(comm)
     info = np.zeros(1, np.int64)
     y = ds.y_train.astype(np.float64)
     run(me, q, n, u64, world, parents, block, w, y, rows[:1], masks, 0.0, full, w_all, check, info)  # compile
     comm.Barrier()
     rows = np.random.default_rng([1, me]).integers(0, n, per_dominator).astype(np.int64)
-    masks = np.frombuffer(os.urandom(8 * q * per_dominator), dtype=np.uint64).copy()
+    masks = keystream.words(q * per_dominator).copy()
     w = w_all[cols].copy()
     if forge and me == q - 1:
         comm.Send(np.array([REQUEST, me, 0, n], np.uint64), dest=0, tag=0)

@@ -1,13 +1,12 @@
 """The B = 1 exchange compiled (no Python per message) against ``vfl train``, alone and beside a second job.
 
 Issue 30, item 1 asks for ≥ 3× on ``vfl train -n 4 -m 4 --dataset a9a --algorithm sgd -B 1 --gamma 0.1``
-and proposes a structural change: the receive–aggregate–reply loop compiled, out of the GIL, one thread
-per rank. Before that is built into the runtime, this measures what it can give on this machine:
-``experiments/_hot_path_floor_rank.py`` runs the same exchange (requests, both masked trees of the job's
-tree pairs, ϑ dispatch, every party's step; checks at each receive) in one numba loop per rank, calling
-MPI through ctypes. Its time per update is a floor for that design here (it leaves out the AES keystream,
-the overflow word, liveness, sealing, segments and evaluation), and the two are run alternately, job by
-job, in two settings:
+and proposes a structural change: the receive–aggregate–reply loop compiled, out of the GIL, one thread per
+rank. Before that is built into the runtime, this measures what it can give on this machine:
+``experiments/_hot_path_floor_rank.py`` runs the same exchange (requests, both masked trees of the job's tree
+pairs, ϑ dispatch, every party's step; checks at each receive) in one numba loop per rank, calling MPI by
+name. Its time per update is a floor for that design here (it leaves out the overflow word, liveness,
+sealing, segments and evaluation). The two run alternately, job by job, in two settings:
 
 * **alone**: only the measured job (and whatever else the machine runs: the load is recorded);
 * **beside**: the benchmark first starts a long 4-party ``vfl train`` job of the same command, waits until
