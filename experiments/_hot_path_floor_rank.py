@@ -13,10 +13,10 @@ request is open per dominator (``--inflight 1``). Every message is checked on ar
 request id, row range, a sender that may send it); a bad one ends the rank naming its sender. What this
 floor leaves out: the overflow word, liveness, sealing, segments and evaluation.
 
-argv: ``dataset updates_per_dominator gamma out.json [check|forge]``; ``check``: γ = 0 and every rank knows
-every block (seeded), so each root compares z with the plain Σ_l w_l·x_il (the masks must cancel exactly);
-``forge``: the last rank first sends party 0 a request for a row past the end, which must end the job
-naming it.
+argv: ``dataset updates_per_dominator gamma out.json spin|yield [check|forge]``. ``yield``: wait by probing
+and yielding the core (:func:`run`); ``check``: γ = 0 and every rank knows every block (seeded), so each root
+compares z with the plain Σ_l w_l·x_il (the masks must cancel exactly); ``forge``: the last rank first
+sends party 0 a request for a row past the end, which must end the job naming it.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ _I32, _PTR = types.int32, types.uintp  # MPICH's handles are ints; pointers pass
 MPI_SEND = types.ExternalFunction("MPI_Send", _I32(_PTR, _I32, _I32, _I32, _I32, _I32))
 MPI_RECV = types.ExternalFunction("MPI_Recv", _I32(_PTR, _I32, _I32, _I32, _I32, _I32, _PTR))
 MPI_GET_COUNT = types.ExternalFunction("MPI_Get_count", _I32(_PTR, _I32, _PTR))
+MPI_IPROBE = types.ExternalFunction("MPI_Iprobe", _I32(_I32, _I32, _I32, _PTR, _PTR))
+SCHED_YIELD = types.ExternalFunction("sched_yield", _I32())  # the C library's, loaded in every process
 
 
 @njit(nogil=True, cache=True)
@@ -96,10 +98,13 @@ def _broadcast(out, words, me, q, u64, comm):
 
 
 @njit(nogil=True, cache=True)
-def run(me, q, n, u64, comm, parents, block, w, y, rows, masks, gamma, full, w_all, check, info):
+def run(me, q, n, u64, comm, parents, block, w, y, rows, masks, gamma, full, w_all, check, yielding, info):
     """The event loop of rank ``me`` until every dominator's ``rows.size`` updates are done here; returns
     0, or an error code (:data:`WHY`) with the sender in ``info[0]``. ``parents[t, r, p]``: the parent of
-    party p in tree t of root r's pair (−1 at r); ``block``: this rank's columns (CSR arrays)."""
+    party p in tree t of root r's pair (−1 at r); ``block``: this rank's columns (CSR arrays).
+    ``yielding``: wait for a message by ``MPI_Iprobe`` and ``sched_yield`` between probes, instead of in
+    MPICH's ``MPI_Recv``, which spins (with more ranks than cores, a spinning rank holds a core that the
+    rank it waits for needs)."""
     indptr, indices, data = block
     N = rows.size
     if N == 0:
@@ -120,6 +125,7 @@ def run(me, q, n, u64, comm, parents, block, w, y, rows, masks, gamma, full, w_a
     out = np.zeros(WORDS, np.uint64)
     status = np.zeros(5, np.int32)
     cnt = np.zeros(1, np.int32)
+    flag = np.zeros(1, np.int32)
     mi, own, thetas = 0, 0, 0
     out[0], out[1], out[2], out[3] = REQUEST, me, 0, rows[0]
     _broadcast(out, 4, me, q, u64, comm)
@@ -135,6 +141,12 @@ def run(me, q, n, u64, comm, parents, block, w, y, rows, masks, gamma, full, w_a
             acc[1, r] += delta
             started[r] = True
         else:
+            if yielding:
+                while True:
+                    MPI_IPROBE(-2, -1, comm, flag.ctypes.data, status.ctypes.data)
+                    if flag[0]:
+                        break
+                    SCHED_YIELD()
             MPI_RECV(buf.ctypes.data, 8, u64, -2, -1, comm, status.ctypes.data)
             MPI_GET_COUNT(status.ctypes.data, u64, cnt.ctypes.data)
             src, words, kind = status[2], cnt[0], buf[0]
@@ -214,12 +226,13 @@ def compile_once() -> None:
     ranks then load it instead of each compiling it on the same cores)."""
     i64, f64 = np.zeros(1, np.int64), np.zeros(1)
     run(0, 1, 1, 0, 0, np.zeros((2, 1, 1), np.int64), (i64, i64, f64), f64, f64, i64[:0],
-        np.zeros(1, np.uint64), 0.0, (i64, i64, f64), f64, False, np.zeros(1, np.int64))
+        np.zeros(1, np.uint64), 0.0, (i64, i64, f64), f64, False, False, np.zeros(1, np.int64))
 
 
 def main(argv: list[str]) -> None:
     dataset, per_dominator, gamma, out = argv[0], int(argv[1]), float(argv[2]), argv[3]
-    check, forge = argv[4:5] == ["check"], argv[4:5] == ["forge"]
+    yielding = argv[4] == "yield"
+    check, forge = argv[5:6] == ["check"], argv[5:6] == ["forge"]
     comm = MPI.COMM_WORLD
     me, q = comm.Get_rank(), comm.Get_size()
     ds = load(dataset, seed=0)
@@ -242,7 +255,7 @@ def main(argv: list[str]) -> None:
     u64, world = MPI._handleof(MPI.UINT64_T), MPI._handleof(comm)
     info = np.zeros(1, np.int64)
     y = ds.y_train.astype(np.float64)
-    run(me, q, n, u64, world, parents, block, w, y, rows[:1], masks, 0.0, full, w_all, check, info)  # compile
+    run(me, q, n, u64, world, parents, block, w, y, rows[:1], masks, 0.0, full, w_all, check, yielding, info)
     comm.Barrier()
     rows = np.random.default_rng([1, me]).integers(0, n, per_dominator).astype(np.int64)
     masks = keystream.words(q * per_dominator).copy()
@@ -252,7 +265,7 @@ def main(argv: list[str]) -> None:
     comm.Barrier()
     t0, c0 = time.perf_counter(), time.process_time()
     code = run(me, q, n, u64, world, parents, block, w, y, rows, masks, 0.0 if check else gamma, full, w_all,
-               check, info)
+               check, yielding, info)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     if code:
         line = f"[party {me}] party {info[0]} sent {WHY[code]}"

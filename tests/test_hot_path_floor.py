@@ -11,10 +11,11 @@ from experiments.bench_hot_path_floor import compiled_ms, table
 pytestmark = pytest.mark.mpi
 
 
-def test_the_compiled_loops_masked_trees_give_every_root_the_exact_sum():
+@pytest.mark.parametrize("wait", ["spin", "yield"])
+def test_the_compiled_loops_masked_trees_give_every_root_the_exact_sum(wait):
     """γ = 0 and every rank knows every block: each of the 4 × 100 requests' z must equal Σ_l w_l·x_il
-    (the loop ends the job otherwise), through the job's own tree pairs and uniform 64-bit masks."""
-    result = compiled_ms(400 / 455, mode="check", dataset="breast-cancer", rows=455)
+    (the loop ends the job otherwise), through the job's own tree pairs and the keystream's masks."""
+    result = compiled_ms(400 / 455, wait=wait, mode="check", dataset="breast-cancer", rows=455)
     assert result["checked"] and result["updates"] == 400
     assert result["ms_per_update"] > 0
 
@@ -25,7 +26,10 @@ def test_a_request_for_a_row_past_the_end_ends_the_compiled_loop_naming_its_send
 
 
 def test_the_table_states_the_ratio_and_the_load():
-    measured = [("vfl train", 0.6), ("compiled loop", 0.1), ("vfl train", 0.4), ("compiled loop", 0.1)]
+    measured = [("vfl train", 0.6), ("compiled, spinning", 0.1), ("vfl train", 0.4),
+                ("compiled, spinning", 0.1), ("compiled, yielding", 0.2)]
     runs = [{"method": m, "setting": "alone", "ms_per_update": ms, "load_before": 1.0} for m, ms in measured]
     text = table({"cpu": "x", "command": "c"}, runs)
-    assert "**5.0×**" in text and "0.500 (0.400–0.600)" in text and "1.0–1.0" in text
+    assert "| alone | vfl train / compiled, spinning | **5.0×** |" in text
+    assert "| alone | vfl train / compiled, yielding | **2.5×** |" in text
+    assert "0.500 (0.400–0.600)" in text and "1.0–1.0" in text
