@@ -74,6 +74,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                       "--label-privacy he on a9a: OU vs Paillier, ε-noise on ϑ vs on decrypted gradients"),
     "label_he_pack": ("experiments.bench_label_he_pack",
                       "--label-privacy he on a9a: packed against unpacked decryption, B = 256 and 1,024"),
+    "label_he_floor": ("experiments.bench_label_he_floor",
+                       "--label-privacy he on a9a: the CPU an epoch needs per operation, and its floor"),
     "label_he_overlap": ("experiments.bench_label_he_overlap",
                          "--label-privacy he on a9a: an epoch per stage and rank, this tree vs a commit"),
     "label_dp_sim": ("experiments.label_dp_sim",
