@@ -10,8 +10,9 @@ its children's sums are in; r decodes ``z = ξ1 − ξ2`` (fixed point in Z_2^64
 own keystream, :class:`protocols.masking.Keystream`, drawn before the loop), takes ϑ = −y σ(−y z), sends
 ``THETA(r, rid, i, ϑ)`` to every other party and steps its own block; each party steps on arrival. One
 request is open per dominator (``--inflight 1``). Every message is checked on arrival (length, kind, root,
-request id, row range, a sender that may send it); a bad one ends the rank naming its sender. What this
-floor leaves out: the overflow word, liveness, sealing, segments and evaluation.
+request id, row range, a sender that may send it); a bad one ends the rank naming its sender. The overflow
+count travels masked in word 3, as in ``protocols/aggregation.py``. What this floor leaves out: liveness,
+sealing, segments and evaluation.
 
 argv: ``dataset updates_per_dominator gamma out.json spin|yield [check|forge]``. ``yield``: wait by probing
 and yielding the core (:func:`run`); ``check``: γ = 0 and every rank knows every block (seeded), so each root
@@ -41,10 +42,11 @@ REQUEST, TREE1, TREE2, THETA = 1, 2, 3, 4
 WORDS = 5  # the longest message: THETA [kind, root, rid, row, ϑ bits]
 FRACTION = 2.0**32
 #: what the loop returns besides 0 (the caller turns it into one line naming the sender)
-BAD_LENGTH, BAD_KIND, BAD_ROOT, BAD_RID, BAD_ROW, BAD_SENDER, BAD_Z = 1, 2, 3, 4, 5, 6, 7
+BAD_LENGTH, BAD_KIND, BAD_ROOT, BAD_RID, BAD_ROW, BAD_SENDER, BAD_Z, OVERFLOW = 1, 2, 3, 4, 5, 6, 7, 8
 WHY = {BAD_LENGTH: "a message of the wrong length", BAD_KIND: "an unknown kind",
        BAD_ROOT: "a root out of range", BAD_RID: "a request id out of order", BAD_ROW: "a row out of range",
-       BAD_SENDER: "a message it may not send", BAD_Z: "a sum that is not Σ w·x (check mode)"}
+       BAD_SENDER: "a message it may not send", BAD_Z: "a sum that is not Σ w·x (check mode)",
+       OVERFLOW: "scores out of the fixed point's range: the model diverged"}
 
 
 def _load_mpi() -> None:
@@ -116,6 +118,8 @@ def run(me, q, n, u64, comm, parents, block, w, y, rows, masks, gamma, full, w_a
                 if parents[t, r, p] == me:
                     children[t, r] += 1
     acc = np.zeros((2, q), np.uint64)
+    flags = np.zeros((2, q), np.uint64)  # the masked overflow counts, summed up the trees as the values
+    max_abs = 2.0**62 / (q * FRACTION)  # protocols/masking.py: one bit of headroom for a q-party sum
     got = np.zeros((2, q), np.int64)
     fwd = np.zeros((2, q), np.bool_)
     started = np.zeros(q, np.bool_)
@@ -134,11 +138,14 @@ def run(me, q, n, u64, comm, parents, block, w, y, rows, masks, gamma, full, w_a
     while own < N or thetas < (q - 1) * N:
         if start >= 0:
             r, start = start, -1
-            delta = masks[mi]
-            mi += 1
-            mine = np.rint(_dot(indptr, indices, data, w, row_of[r]) * FRACTION)
-            acc[0, r] += np.uint64(np.int64(mine)) + delta
+            delta, epsilon = masks[mi], masks[mi + 1]
+            mi += 2
+            mine = _dot(indptr, indices, data, w, row_of[r])
+            fits = abs(mine) <= max_abs  # NaN fails too: it contributes 0 and counts, masked like a value
+            acc[0, r] += np.uint64(np.int64(np.rint(mine * FRACTION) if fits else 0.0)) + delta
             acc[1, r] += delta
+            flags[0, r] += np.uint64(0 if fits else 1) + epsilon
+            flags[1, r] += epsilon
             started[r] = True
         else:
             if yielding:
@@ -182,13 +189,14 @@ def run(me, q, n, u64, comm, parents, block, w, y, rows, masks, gamma, full, w_a
             if parents[t, r, src] != me or got[t, r] >= children[t, r]:
                 return BAD_SENDER
             acc[t, r] += buf[4]
+            flags[t, r] += buf[3]
             got[t, r] += 1
         for r in range(q):  # forward what is complete; the root completes its request
             if not started[r]:
                 continue
             for t in range(2):
                 if not fwd[t, r] and got[t, r] == children[t, r] and parents[t, r, me] >= 0:
-                    out[0], out[1], out[2], out[3], out[4] = TREE1 + t, r, rid[r], 0, acc[t, r]
+                    out[0], out[1], out[2], out[3], out[4] = TREE1 + t, r, rid[r], flags[t, r], acc[t, r]
                     _send(out, 5, parents[t, r, me], u64, comm)
                     fwd[t, r] = True
             done = fwd[0, r] and fwd[1, r] if r != me else \
@@ -197,6 +205,9 @@ def run(me, q, n, u64, comm, parents, block, w, y, rows, masks, gamma, full, w_a
                 continue
             if r == me:
                 i = row_of[r]
+                if flags[0, r] - flags[1, r] != 0:
+                    info[0] = me
+                    return OVERFLOW
                 z = np.float64(np.int64(acc[0, r] - acc[1, r])) / FRACTION
                 if check and abs(z - _full_dot(full, w_all, i)) > 1e-6 * (1.0 + abs(z)):
                     info[0] = me
@@ -207,7 +218,7 @@ def run(me, q, n, u64, comm, parents, block, w, y, rows, masks, gamma, full, w_a
                 _broadcast(out, 5, me, q, u64, comm)
                 _step(indptr, indices, data, w, i, theta, gamma)
                 own += 1
-            acc[0, r] = acc[1, r] = 0
+            acc[0, r] = acc[1, r] = flags[0, r] = flags[1, r] = 0
             got[0, r] = got[1, r] = 0
             fwd[0, r] = fwd[1, r] = False
             started[r] = False
@@ -251,14 +262,14 @@ def main(argv: list[str]) -> None:
     parents = np.array([[pairs[r].tree(t).parent for r in range(q)] for t in range(2)], dtype=np.int64)
     rows = np.random.default_rng([0, me]).integers(0, n, per_dominator).astype(np.int64)
     keystream = Keystream()
-    masks = keystream.words(q * per_dominator).copy()
+    masks = keystream.words(2 * q * per_dominator).copy()
     u64, world = MPI._handleof(MPI.UINT64_T), MPI._handleof(comm)
     info = np.zeros(1, np.int64)
     y = ds.y_train.astype(np.float64)
     run(me, q, n, u64, world, parents, block, w, y, rows[:1], masks, 0.0, full, w_all, check, yielding, info)
     comm.Barrier()
     rows = np.random.default_rng([1, me]).integers(0, n, per_dominator).astype(np.int64)
-    masks = keystream.words(q * per_dominator).copy()
+    masks = keystream.words(2 * q * per_dominator).copy()
     w = w_all[cols].copy()
     if forge and me == q - 1:
         comm.Send(np.array([REQUEST, me, 0, n], np.uint64), dest=0, tag=0)
@@ -268,7 +279,7 @@ def main(argv: list[str]) -> None:
                check, yielding, info)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     if code:
-        line = f"[party {me}] party {info[0]} sent {WHY[code]}"
+        line = f"[party {me}] " + (WHY[code] if code == OVERFLOW else f"party {info[0]} sent {WHY[code]}")
         with open(f"{out}.error-{me}", "w") as fh:  # a line printed just before Abort may be lost
             fh.write(line + "\n")
         print(line, file=sys.stderr, flush=True)

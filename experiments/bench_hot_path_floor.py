@@ -5,8 +5,8 @@ and proposes a structural change: the receive–aggregate–reply loop compiled,
 rank. Before that is built into the runtime, this measures what it can give on this machine:
 ``experiments/_hot_path_floor_rank.py`` runs the same exchange (requests, both masked trees of the job's tree
 pairs, ϑ dispatch, every party's step; checks at each receive) in one numba loop per rank, calling MPI by
-name. Its time per update is a floor for that design here (it leaves out the overflow word, liveness,
-sealing, segments and evaluation). The two run alternately, job by job, in two settings:
+name. Its time per update is a floor for that design here (it leaves out liveness, sealing, segments
+and evaluation). The two run alternately, job by job, in two settings:
 
 * **alone**: only the measured job (and whatever else the machine runs: the load is recorded);
 * **beside**: the benchmark first starts a long 4-party ``vfl train`` job of the same command, waits until
@@ -44,8 +44,8 @@ COLOURS = {"vfl train": "tab:blue", "compiled, spinning": "tab:orange", "compile
 
 
 def compiled_ms(epochs: float, *, wait: str = "spin", mode: str = "", dataset: str = "a9a",
-                rows: int = A9A_TRAIN_ROWS) -> dict:
-    """One run of the compiled loop (4 ranks, γ = 0.1; ``wait`` ``spin`` or ``yield``, ``mode`` ``check`` or
+                rows: int = A9A_TRAIN_ROWS, gamma: float = 0.1) -> dict:
+    """One run of the compiled loop (4 ranks; ``wait`` ``spin`` or ``yield``, ``mode`` ``check`` or
     ``forge``: the rank program's doc): its result (ms per update, accuracy)."""
     per_dominator = max(1, round(epochs * rows / 4))
     from experiments._hot_path_floor_rank import compile_once
@@ -54,7 +54,7 @@ def compiled_ms(epochs: float, *, wait: str = "spin", mode: str = "", dataset: s
     mpiexec = Path(sys.executable).parent / "mpiexec"
     with tempfile.TemporaryDirectory(prefix="hot-path-floor-") as work:
         out = Path(work) / "result.json"
-        cmd = [str(mpiexec), "-n", "4", sys.executable, str(RANK), dataset, str(per_dominator), "0.1",
+        cmd = [str(mpiexec), "-n", "4", sys.executable, str(RANK), dataset, str(per_dominator), str(gamma),
                str(out), wait]
         proc = subprocess.run(cmd + ([mode] if mode else []), cwd=ROOT, env=_env(ROOT), text=True,
                               capture_output=True, timeout=600)

@@ -25,6 +25,14 @@ def test_a_request_for_a_row_past_the_end_ends_the_compiled_loop_naming_its_send
         compiled_ms(0.2, mode="forge", dataset="breast-cancer", rows=455)
 
 
+def test_a_diverging_model_ends_the_compiled_loop_through_the_masked_overflow_count():
+    """γ = 10^12 on unscaled features: some party's w·x leaves the fixed point's range; it contributes 0 and
+    a count that only the root can read (masked like a value), and the root ends the job, as the
+    runtime's AggregationOverflowError does."""
+    with pytest.raises(RuntimeError, match=r"scores out of the fixed point's range: the model diverged"):
+        compiled_ms(0.5, dataset="breast-cancer", rows=455, gamma=1e12)
+
+
 def test_the_table_states_the_ratio_and_the_load():
     measured = [("vfl train", 0.6), ("compiled, spinning", 0.1), ("vfl train", 0.4),
                 ("compiled, spinning", 0.1), ("compiled, yielding", 0.2)]
