@@ -167,11 +167,13 @@ def least_squares_files(tmp_path_factory):
     return folder, f_star
 
 
-@pytest.mark.parametrize("algorithm", ["sgd", "saga", "saga-scalar"])
-def test_each_algorithm_reaches_the_nonf_optimum(algorithm, least_squares_files, tmp_path):
+#: Epochs each rule needs, with margin: on this noise-free target SGD is at 2e-3 after 1 epoch and at the
+#: floor (f* to 1e-5) from epoch 2 on; the SAGAs are at 1e-4 only from epoch 11 to 14 and 2e-6 at 15.
+@pytest.mark.parametrize(("algorithm", "epochs"), [("sgd", 4), ("saga", 15), ("saga-scalar", 15)])
+def test_each_algorithm_reaches_the_nonf_optimum(algorithm, epochs, least_squares_files, tmp_path):
     folder, f_star = least_squares_files
     train(tmp_path, "-n", "3", "-m", "1", "--party-files", str(folder), "--problem", "least-squares",
-          "--algorithm", algorithm, "--gamma", "0.01", "--epochs", "15", "--f-star", repr(f_star))
+          "--algorithm", algorithm, "--gamma", "0.01", "--epochs", str(epochs), "--f-star", repr(f_star))
     assert metrics(tmp_path)[-1]["suboptimality"] <= 1e-4
 
 
