@@ -42,6 +42,21 @@ def train(out: Path, *args: str, timeout: float = 240, check: bool = True) -> su
     return proc
 
 
+def refused(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """``vfl train --out <out> <args>`` in this process, for a mistake the launcher refuses before
+    ``mpiexec`` (the same ``vfl.cli.main``, without an interpreter's start-up;
+    ``test_bad_configuration_is_refused_before_any_rank_starts`` runs such a refusal as a command)."""
+    import contextlib
+    import io
+
+    from vfl.cli import main
+
+    out_text, err_text = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out_text), contextlib.redirect_stderr(err_text):
+        code = main(["train", "--out", str(out), "--no-progress", *args])
+    return subprocess.CompletedProcess(args, code, out_text.getvalue(), err_text.getvalue())
+
+
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -206,8 +221,8 @@ def test_bad_configuration_is_refused_before_any_rank_starts(tmp_path):
 
 def test_a_party_without_its_labels_is_refused_before_mpiexec(least_squares_files, tmp_path):
     folder, f_star = least_squares_files  # labels are only in party 0's file
-    proc = train(tmp_path, "-n", "3", "-m", "2", "--party-files", str(folder), "--problem", "least-squares",
-                 "--f-star", repr(f_star), check=False, timeout=60)
+    proc = refused(tmp_path, "-n", "3", "-m", "2", "--party-files", str(folder), "--problem", "least-squares",
+                   "--f-star", repr(f_star))
     assert proc.returncode == 2
     assert "party-1.npz: the file has no labels, but an active party needs them" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "config.json").exists()
@@ -228,8 +243,8 @@ def test_misaligned_party_files_are_refused_naming_the_first_mismatch(least_squa
     mixed.mkdir()
     for p, source in enumerate((folder, other, folder)):
         (mixed / f"party-{p}.npz").write_bytes((source / f"party-{p}.npz").read_bytes())
-    proc = train(tmp_path / "run", "-n", "3", "-m", "1", "--party-files", str(mixed), "--problem",
-                 "least-squares", "--f-star", repr(f_star), check=False, timeout=60)
+    proc = refused(tmp_path / "run", "-n", "3", "-m", "1", "--party-files", str(mixed), "--problem",
+                   "least-squares", "--f-star", repr(f_star))
     assert proc.returncode == 2
     assert "rows are not aligned" in proc.stderr and "party-1.npz has id" in proc.stderr
 
