@@ -12,7 +12,7 @@ from parties.runtime import TAG_THETA, TAG_THETA_REQUEST
 from protocols.aggregation import Kind
 from protocols.dispatch import split_piggyback
 from protocols.transport import AGGREGATION_TAG
-from tests.test_runtime import CANCER, metrics, train
+from tests.test_runtime import CANCER, metrics, refused, train
 
 pytestmark = pytest.mark.mpi
 
@@ -81,7 +81,7 @@ def test_piggybacked_thetas_are_applied_exactly_once_with_one_message_fewer_per_
 
 def test_piggybacking_is_refused_where_a_step_cannot_wait_for_the_next_request(tmp_path):
     for extra in (["--mode", "sync"], ["--label-privacy", "he", "-B", "64"]):
-        proc = train(tmp_path, "-n", "3", "-m", "1", "--piggyback", *extra, *CANCER, check=False)
+        proc = refused(tmp_path, "-n", "3", "-m", "1", "--piggyback", *extra, *CANCER)
         assert proc.returncode == 2, proc.stderr
         assert "--piggyback needs --mode async and no --label-privacy he" in proc.stderr
 
