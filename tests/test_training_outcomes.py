@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.test_runtime import CANCER, metrics, train
+from tests.test_runtime import CANCER, metrics, refused, train
 from vertical.datasets import DatasetNotFoundError
 
 pytestmark = pytest.mark.mpi
@@ -93,7 +93,7 @@ def test_mistakes_found_before_mpiexec_are_one_line_with_exit_2(tmp_path):
     assert proc.returncode == 2 and "no complete checkpoint to resume from" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "empty" / "config.json").exists()
     (tmp_path / "a-file").write_text("")
-    proc = train(tmp_path / "a-file" / "run", *SMALL, check=False)
+    proc = refused(tmp_path / "a-file" / "run", *SMALL)  # in this process: the command's exit code is main's
     assert proc.returncode == 2 and "cannot write there" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
@@ -150,6 +150,5 @@ def test_no_reference_skips_the_nonf_solve_and_reports_the_loss(tmp_path, monkey
     assert parties.launch.launch(config, echo=False) == 0
     last = metrics(tmp_path / "run")[-1]
     assert "loss" in last and "suboptimality" not in last
-    proc = train(tmp_path / "refused", *SMALL, "--no-reference", "--target-suboptimality", "1e-3",
-                 check=False)
+    proc = refused(tmp_path / "refused", *SMALL, "--no-reference", "--target-suboptimality", "1e-3")
     assert proc.returncode == 2 and "--target-suboptimality needs f*" in proc.stderr
