@@ -17,11 +17,12 @@ from tests.test_runtime import CANCER, metrics, refused, train
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize(("algorithm", "gap"), [("svrg", 1e-5), ("saga-scalar", 1e-4)])
-def test_lazy_updates_with_two_workers_reach_the_nonf_optimum(algorithm, gap, tmp_path):
-    """Eager kernels reach 1e-9 (SVRG) and 2e-5 (SAGA-scalar) on this job in 8 epochs."""
-    train(tmp_path, "-n", "3", "-m", "2", "-k", "2", "--algorithm", algorithm, "--epochs", "8", "--updates",
-          "lazy", *CANCER)
+@pytest.mark.parametrize(("algorithm", "gap", "epochs"), [("svrg", 1e-5, 6), ("saga-scalar", 1e-4, 8)])
+def test_lazy_updates_with_two_workers_reach_the_nonf_optimum(algorithm, gap, epochs, tmp_path):
+    """Eager kernels reach 1e-9 (SVRG) and 2e-5 (SAGA-scalar) on this job in 8 epochs; lazy SVRG is at
+    7e-8 after 6 (6e-6 after 4), lazy SAGA-scalar at 4e-5 after 8 (5e-4 after 6)."""
+    train(tmp_path, "-n", "3", "-m", "2", "-k", "2", "--algorithm", algorithm, "--epochs", str(epochs),
+          "--updates", "lazy", *CANCER)
     assert metrics(tmp_path)[-1]["suboptimality"] < gap
 
 
@@ -46,10 +47,10 @@ def test_mini_batches_in_flight_are_each_applied_exactly_once(tmp_path):
 def test_piggybacked_thetas_are_applied_exactly_once_with_one_message_fewer_per_step(tmp_path):
     """--piggyback: each collaborator gets one message per step from a dominator (its request, with the
     previous step's (ϑ, i) inside) instead of two, every ϑ still arrives once and in order, and the
-    job still reaches the NonF optimum. Three requests in flight: ϑ's are held behind the pipeline and
-    the last ones of each segment go alone (P = 1 is the same with one)."""
+    job still reaches the NonF optimum (8e-8 after 6 epochs). Three requests in flight: ϑ's are held
+    behind the pipeline and the last ones of each segment go alone (P = 1 is the same with one)."""
     inflight = 3
-    train(tmp_path, "-n", "3", "-m", "2", "--algorithm", "svrg", "--epochs", "8", "--piggyback",
+    train(tmp_path, "-n", "3", "-m", "2", "--algorithm", "svrg", "--epochs", "6", "--piggyback",
           "--inflight", str(inflight), "--audit", *CANCER)
     assert metrics(tmp_path)[-1]["suboptimality"] < 1e-5
     records = [dict(np.load(tmp_path / f"audit-{r}.npz")) for r in range(3)]
