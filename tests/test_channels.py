@@ -57,19 +57,11 @@ def test_a_tampered_or_replayed_message_ends_the_job_naming_the_sender(scenario)
 
 
 @pytest.mark.mpi
-def test_training_over_sealed_channels_matches_training_in_clear(tmp_path):
-    train(tmp_path / "clear", "-n", "3", "-m", "1", "--algorithm", "svrg", "--epochs", "3", *CANCER)
-    train(tmp_path / "sealed", "-n", "3", "-m", "1", "--algorithm", "svrg", "--epochs", "3",
-          "--secure-channels", *CANCER)
-    clear, sealed = metrics(tmp_path / "clear")[-1], metrics(tmp_path / "sealed")[-1]
-    assert sealed["loss"] == pytest.approx(clear["loss"], rel=1e-3)
-    assert (tmp_path / "sealed" / "party-2.channel.key").stat().st_mode & 0o077 == 0
-
-
-@pytest.mark.mpi
-def test_organisations_bring_their_own_keys(tmp_path):
-    """The deployment path: each party makes its key pair in its own folder and shares only the public
-    half; the job pins the list."""
+def test_training_over_channels_sealed_with_the_organisations_own_keys_matches_training_in_clear(tmp_path):
+    """The deployment path: each party makes its key pair in its own folder (readable by it only) and
+    shares only the public half; the job pins the list. Sealed so, training ends where training in
+    clear does; a wrong pin ends the job. (The launcher's own keys, made when no list is given, are
+    checked by the network job of tests/test_vertical_nn_runtime.py.)"""
     import contextlib
     import io
     import json
@@ -82,13 +74,17 @@ def test_organisations_bring_their_own_keys(tmp_path):
         with contextlib.redirect_stdout(out):
             assert main(["keygen", "--party-dir", str(tmp_path / f"org{rank}"), "--rank", str(rank)]) == 0
         publics.append(out.getvalue().split()[-1])
+    assert (tmp_path / "org2" / "party-2.channel.key").stat().st_mode & 0o077 == 0
     (tmp_path / "keys.json").write_text(json.dumps(publics))
-    train(tmp_path / "run", "-n", "3", "-m", "1", "--epochs", "1", "--secure-channels", "--channel-keys",
-          str(tmp_path / "keys.json"), "--party-dir", str(tmp_path / "org{rank}"), *CANCER)
-    assert metrics(tmp_path / "run")[-1]["epoch"] == 1
+    own_keys = ["--secure-channels", "--channel-keys", str(tmp_path / "keys.json"), "--party-dir",
+                str(tmp_path / "org{rank}")]
+    train(tmp_path / "clear", "-n", "3", "-m", "1", "--algorithm", "svrg", "--epochs", "3", *CANCER)
+    train(tmp_path / "sealed", "-n", "3", "-m", "1", "--algorithm", "svrg", "--epochs", "3", *own_keys,
+          *CANCER)
+    clear, sealed = metrics(tmp_path / "clear")[-1], metrics(tmp_path / "sealed")[-1]
+    assert sealed["epoch"] == 3 and sealed["loss"] == pytest.approx(clear["loss"], rel=1e-3)
     publics[1], publics[2] = publics[2], publics[1]  # a wrong pin: party 1 cannot prove who it is
     (tmp_path / "keys.json").write_text(json.dumps(publics))
-    proc = train(tmp_path / "run", "-n", "3", "-m", "1", "--epochs", "1", "--secure-channels", "--overwrite",
-                 "--channel-keys", str(tmp_path / "keys.json"), "--party-dir", str(tmp_path / "org{rank}"),
+    proc = train(tmp_path / "sealed", "-n", "3", "-m", "1", "--epochs", "1", "--overwrite", *own_keys,
                  *CANCER, check=False)
     assert proc.returncode != 0 and "does not match its pinned public key" in proc.stdout + proc.stderr

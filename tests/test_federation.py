@@ -274,12 +274,13 @@ def test_a_process_without_the_pinned_key_is_refused_and_named(split, tmp_path):
     write_private_key(impostor.key, private)
     keys = {o.name: o.public for o in orgs} | {"bank-b": public}
     impostor.job.write_text(job_text(keys, address))
-    # the parties dial first; the leader, started once they do, waits 5 s for the real bank-b
+    # the parties dial first (every 0.2 s); the leader, started once they do, waits 3 s for the real
+    # bank-b: the dialling clinic-c joins within a fraction of that
     fake, clinic, leader = run_staged([o.command("--join-timeout", "60") for o in orgs[1:]],
-                                      [orgs[0].command("--join-timeout", "5")], "joining the leader", 180)
+                                      [orgs[0].command("--join-timeout", "3")], "joining the leader", 180)
     assert leader.returncode == fake.returncode == clinic.returncode == 1
     line = error_line(leader)
-    assert "the join ended: bank-b did not join within 5 s" in line and "claiming to be 'bank-b'" in line
+    assert "the join ended: bank-b did not join within 3 s" in line and "claiming to be 'bank-b'" in line
     assert "127.0.0.1:" in line and "keys do not agree" in line
     assert "bank-b" in error_line(clinic) and "(from the leader bank-a)" in error_line(clinic)
     assert "do not agree on keys" in error_line(fake)
@@ -326,11 +327,11 @@ def test_a_party_that_never_arrives_ends_the_join_for_everyone_naming_it(split, 
     orgs = make_orgs(tmp_path, split)
     write_jobs(orgs, f"127.0.0.1:{free_port()}")
     bank, leader = run_staged([orgs[1].command("--join-timeout", "60")],
-                              [orgs[0].command("--join-timeout", "4")], "joining the leader", 180)
+                              [orgs[0].command("--join-timeout", "3")], "joining the leader", 180)
     assert leader.returncode == bank.returncode == 1
-    assert error_line(leader) == "vfl party bank-a: the join ended: clinic-c did not join within 4 s " \
+    assert error_line(leader) == "vfl party bank-a: the join ended: clinic-c did not join within 3 s " \
                                  "(--join-timeout)"
-    assert error_line(bank).startswith("vfl party bank-b: the join ended: clinic-c did not join within 4 s")
+    assert error_line(bank).startswith("vfl party bank-b: the join ended: clinic-c did not join within 3 s")
 
 
 def the_others_end(procs: list[subprocess.Popen], dead: float) -> tuple[list[float], list[tuple[str, str]]]:

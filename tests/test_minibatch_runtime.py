@@ -12,16 +12,17 @@ from parties.runtime import TAG_THETA, TAG_THETA_REQUEST
 from protocols.aggregation import Kind
 from protocols.dispatch import split_piggyback
 from protocols.transport import AGGREGATION_TAG
-from tests.test_runtime import CANCER, metrics, train
+from tests.test_runtime import CANCER, metrics, refused, train
 
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize(("algorithm", "gap"), [("svrg", 1e-5), ("saga-scalar", 1e-4)])
-def test_lazy_updates_with_two_workers_reach_the_nonf_optimum(algorithm, gap, tmp_path):
-    """Eager kernels reach 1e-9 (SVRG) and 2e-5 (SAGA-scalar) on this job in 8 epochs."""
-    train(tmp_path, "-n", "3", "-m", "2", "-k", "2", "--algorithm", algorithm, "--epochs", "8", "--updates",
-          "lazy", *CANCER)
+@pytest.mark.parametrize(("algorithm", "gap", "epochs"), [("svrg", 1e-5, 6), ("saga-scalar", 1e-4, 8)])
+def test_lazy_updates_with_two_workers_reach_the_nonf_optimum(algorithm, gap, epochs, tmp_path):
+    """Eager kernels reach 1e-9 (SVRG) and 2e-5 (SAGA-scalar) on this job in 8 epochs; lazy SVRG is at
+    7e-8 after 6 (6e-6 after 4), lazy SAGA-scalar at 4e-5 after 8 (5e-4 after 6)."""
+    train(tmp_path, "-n", "3", "-m", "2", "-k", "2", "--algorithm", algorithm, "--epochs", str(epochs),
+          "--updates", "lazy", *CANCER)
     assert metrics(tmp_path)[-1]["suboptimality"] < gap
 
 
@@ -46,10 +47,10 @@ def test_mini_batches_in_flight_are_each_applied_exactly_once(tmp_path):
 def test_piggybacked_thetas_are_applied_exactly_once_with_one_message_fewer_per_step(tmp_path):
     """--piggyback: each collaborator gets one message per step from a dominator (its request, with the
     previous step's (ϑ, i) inside) instead of two, every ϑ still arrives once and in order, and the
-    job still reaches the NonF optimum. Three requests in flight: ϑ's are held behind the pipeline and
-    the last ones of each segment go alone (P = 1 is the same with one)."""
+    job still reaches the NonF optimum (8e-8 after 6 epochs). Three requests in flight: ϑ's are held
+    behind the pipeline and the last ones of each segment go alone (P = 1 is the same with one)."""
     inflight = 3
-    train(tmp_path, "-n", "3", "-m", "2", "--algorithm", "svrg", "--epochs", "8", "--piggyback",
+    train(tmp_path, "-n", "3", "-m", "2", "--algorithm", "svrg", "--epochs", "6", "--piggyback",
           "--inflight", str(inflight), "--audit", *CANCER)
     assert metrics(tmp_path)[-1]["suboptimality"] < 1e-5
     records = [dict(np.load(tmp_path / f"audit-{r}.npz")) for r in range(3)]
@@ -81,7 +82,7 @@ def test_piggybacked_thetas_are_applied_exactly_once_with_one_message_fewer_per_
 
 def test_piggybacking_is_refused_where_a_step_cannot_wait_for_the_next_request(tmp_path):
     for extra in (["--mode", "sync"], ["--label-privacy", "he", "-B", "64"]):
-        proc = train(tmp_path, "-n", "3", "-m", "1", "--piggyback", *extra, *CANCER, check=False)
+        proc = refused(tmp_path, "-n", "3", "-m", "1", "--piggyback", *extra, *CANCER)
         assert proc.returncode == 2, proc.stderr
         assert "--piggyback needs --mode async and no --label-privacy he" in proc.stderr
 

@@ -18,18 +18,26 @@ from tests.conftest import REPO_ROOT
 from vertical.algorithms.registry import ALGORITHMS
 
 
-@pytest.mark.mpi
-def test_the_quickstart_job_gets_its_own_folder_and_the_documented_defaults(tmp_path):
-    """The quickstart as written, then a second (one-epoch) job: each gets its own folder, latest is the
-    newest, and the quickstart ran with the documented defaults."""
+@pytest.fixture(scope="module")
+def quickstart_runs(tmp_path_factory):
+    """The quickstart as written, then a second (one-epoch) job, from one folder: the two runs' folders
+    (oldest first) and that folder."""
+    here = tmp_path_factory.mktemp("quickstart")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     for extra in ([], ["--epochs", "1"]):
-        proc = subprocess.run([str(REPO_ROOT / "mpirun.sh"), "--no-progress", *extra], cwd=tmp_path, env=env,
+        proc = subprocess.run([str(REPO_ROOT / "mpirun.sh"), "--no-progress", *extra], cwd=here, env=env,
                               capture_output=True, text=True, timeout=240, check=False)
         assert proc.returncode == 0, proc.stderr
-    runs = sorted(p for p in (tmp_path / "runs").iterdir() if not p.is_symlink())
+    return sorted(p for p in (here / "runs").iterdir() if not p.is_symlink()), here
+
+
+@pytest.mark.mpi
+def test_the_quickstart_job_gets_its_own_folder_and_the_documented_defaults(quickstart_runs):
+    """Each job gets its own folder, latest is the newest, and the quickstart ran with the documented
+    defaults."""
+    runs, here = quickstart_runs
     assert len(runs) == 2 and all(p.name.endswith("breast-cancer") for p in runs)
-    assert (tmp_path / "runs" / "latest").resolve() == runs[-1].resolve()
+    assert (here / "runs" / "latest").resolve() == runs[-1].resolve()
     assert json.loads((runs[-1] / "config.json").read_text())["epochs"] == 1
     used = json.loads((runs[0] / "config.json").read_text())
     assert (used["lam"], used["gamma"], used["epochs"]) == (RunConfig().lam, RunConfig().gamma,
@@ -60,35 +68,38 @@ def test_a_finished_run_is_not_overwritten_silently(tmp_path):
 
 
 @pytest.mark.mpi
-def test_with_a_named_dataset_each_rank_reads_only_its_own_block(tmp_path):
-    """The launcher loads the dataset once and writes one file per party; the ranks read only those."""
+def test_with_a_named_dataset_each_rank_reads_only_its_own_block(quickstart_runs, monkeypatch):
+    """The launcher loads the dataset once and writes one file per party; the ranks read only those
+    (the quickstart's one-epoch job: q = 4, m = 2)."""
     import numpy as np
     import scipy.sparse as sp
 
     from parties.loading import load_party
-    from tests.test_runtime import CANCER, train
     from vertical.datasets import load, load_party_file
     from vertical.datasets.party_files import find_party_file
     from vertical.partition import random_blocks
 
-    train(tmp_path, "-n", "3", "-m", "1", "--epochs", "1", *CANCER)
-    config = json.loads((tmp_path / "config.json").read_text())
-    assert config["party_files"] == str(tmp_path / "parties")
+    runs, here = quickstart_runs
+    run = runs[-1]
+    monkeypatch.chdir(here)  # the quickstart's folders are relative to where it ran
+    config = json.loads((run / "config.json").read_text())
+    assert config["party_files"] == str((run / "parties").relative_to(here))
+    assert (config["parties"], config["active"], config["seed"]) == (4, 2, 0)
     ds = load("breast-cancer", seed=0)
-    for rank, cols in enumerate(random_blocks(ds.n_features, 3, seed=0)):
-        mine = load_party_file(find_party_file(tmp_path / "parties", rank))
+    for rank, cols in enumerate(random_blocks(ds.n_features, 4, seed=0)):
+        mine = load_party_file(find_party_file(run / "parties", rank))
         assert mine.source.is_dir()  # the memory-mappable layout: the rank maps its block
         assert list(mine.columns) == list(cols) and mine.X_train.shape == (ds.n_train, len(cols))
-        assert mine.has_labels == (rank == 0)
+        assert mine.has_labels == (rank < 2)
         # what the rank itself builds from its file (parties.loading, the rank's own code path): its
         # columns only, its labels only if active; and the block it trained and saved is that wide
-        party = load_party(JobPlan.from_json((tmp_path / "config.json").read_text()), rank)
+        party = load_party(JobPlan.from_json((run / "config.json").read_text()), rank)
         assert party.block.n_cols == party.w.size == len(cols)
-        assert (party.y is not None) == (rank == 0)
+        assert (party.y is not None) == (rank < 2)
         held = sp.csr_matrix((party.block.data, party.block.indices, party.block.indptr),
                              shape=(party.block.n_rows, party.block.n_cols))
         assert abs(held - ds.X_train[:, cols]).max() == 0
-        assert np.load(tmp_path / f"party-{rank}.ckpt.npz")["w"].size == len(cols)
+        assert np.load(run / f"party-{rank}.ckpt.npz")["w"].size == len(cols)
 
 
 # ------------------------------------------------------------------- --resume: the run folder is the run

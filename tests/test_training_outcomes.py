@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.test_runtime import CANCER, metrics, train
+from tests.test_runtime import CANCER, metrics, refused, train
 from vertical.datasets import DatasetNotFoundError
 
 pytestmark = pytest.mark.mpi
@@ -42,37 +42,31 @@ def test_a_missed_target_says_so_and_exits_4(tmp_path):
     assert "--target-suboptimality 1e-12 not reached" in proc.stderr and "after 1 epochs" in proc.stderr
 
 
-def test_resume_takes_the_newest_epoch_every_party_completed(tmp_path):
-    """An interrupt between the parties' writes leaves blocks of two epochs: resume must not mix them."""
+def test_resume_takes_the_newest_epoch_every_party_completed_even_after_two_crashes_before_the_mark(
+        tmp_path):
+    """An interrupt between the parties' writes leaves blocks of two epochs: resume must not mix them.
+    Crash 1: epoch 3 written, never marked (and a half-written block of party 1 left behind); the
+    resume from 2 writes epoch 3 again and is never marked either (crash 2, played by putting the
+    manifest back): epoch 2 must still be on disk for the second resume."""
     train(tmp_path, *CANCER, "-n", "3", "-m", "1", "--epochs", "3")
     first = metrics(tmp_path)
-    # As if the job stopped after every party wrote epoch 3 but before the leader marked it complete,
-    # with a half-written block of party 1 left behind.
     (tmp_path / "checkpoint.json").write_text(json.dumps({"epochs": 2.0}))
     (tmp_path / "party-1.ckpt.npz.tmp").write_bytes(b"half a block")
-    proc = train(tmp_path, *CANCER, "-n", "3", "-m", "1", "--epochs", "4", "--resume")
+    proc = train(tmp_path, *CANCER, "-n", "3", "-m", "1", "--epochs", "3", "--resume")
     assert "resuming from epoch 2" in proc.stdout
     assert not (tmp_path / "party-1.ckpt.npz.tmp").exists()
+    assert [r["epoch"] for r in metrics(tmp_path)] == [0, 1, 2, 3]  # epoch 3, never marked, trained again
+    (tmp_path / "checkpoint.json").write_text(json.dumps({"epochs": 2.0}))
+    proc = train(tmp_path, *CANCER, "-n", "3", "-m", "1", "--epochs", "4", "--resume")
+    assert "resuming from epoch 2" in proc.stdout
     both = metrics(tmp_path)
-    assert [r["epoch"] for r in both] == [0, 1, 2, 3, 4]  # epoch 3, never marked, is trained again
+    assert [r["epoch"] for r in both] == [0, 1, 2, 3, 4]  # each epoch logged once
     assert both[:2] == first[:2]
     resumed = both[2:]
     assert resumed[0]["epoch"] == 2 and resumed[0]["loss"] == pytest.approx(first[2]["loss"], rel=1e-12)
     assert resumed[0]["updates"] == first[2]["updates"]  # counters continue across a resume
     assert resumed[-1]["epoch"] == 4 and resumed[-1]["updates"] > first[-1]["updates"]
     assert resumed[-1]["time"] > first[2]["time"]
-
-
-def test_two_crashes_before_the_mark_still_resume_from_the_marked_epoch(tmp_path):
-    """Epoch 2 is written but never marked (crash 1); the resume from 1 writes 2 again and is never
-    marked either (crash 2, played by putting the manifest back): epoch 1 must still be on disk."""
-    train(tmp_path, *CANCER, "-n", "3", "-m", "1", "--epochs", "2")
-    (tmp_path / "checkpoint.json").write_text(json.dumps({"epochs": 1.0}))
-    train(tmp_path, *CANCER, "-n", "3", "-m", "1", "--epochs", "2", "--resume")
-    (tmp_path / "checkpoint.json").write_text(json.dumps({"epochs": 1.0}))
-    proc = train(tmp_path, *CANCER, "-n", "3", "-m", "1", "--epochs", "2", "--resume")
-    assert "resuming from epoch 1" in proc.stdout
-    assert [r["epoch"] for r in metrics(tmp_path)] == [0, 1, 2]
 
 
 def test_ctrl_c_stops_the_job_at_once_and_says_how_to_resume(tmp_path):
@@ -99,7 +93,7 @@ def test_mistakes_found_before_mpiexec_are_one_line_with_exit_2(tmp_path):
     assert proc.returncode == 2 and "no complete checkpoint to resume from" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "empty" / "config.json").exists()
     (tmp_path / "a-file").write_text("")
-    proc = train(tmp_path / "a-file" / "run", *SMALL, check=False)
+    proc = refused(tmp_path / "a-file" / "run", *SMALL)  # in this process: the command's exit code is main's
     assert proc.returncode == 2 and "cannot write there" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
@@ -156,6 +150,5 @@ def test_no_reference_skips_the_nonf_solve_and_reports_the_loss(tmp_path, monkey
     assert parties.launch.launch(config, echo=False) == 0
     last = metrics(tmp_path / "run")[-1]
     assert "loss" in last and "suboptimality" not in last
-    proc = train(tmp_path / "refused", *SMALL, "--no-reference", "--target-suboptimality", "1e-3",
-                 check=False)
+    proc = refused(tmp_path / "refused", *SMALL, "--no-reference", "--target-suboptimality", "1e-3")
     assert proc.returncode == 2 and "--target-suboptimality needs f*" in proc.stderr

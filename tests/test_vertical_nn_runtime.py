@@ -194,6 +194,7 @@ def test_an_asynchronous_network_job_with_per_party_networks_learns(tmp_path):
     assert "networks *-8-4,*-4,*-16-4,*-8-4 / top *-8-*" in proc.stdout
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["outcome"] == "budget"
+    assert (tmp_path / "party-2.channel.key").stat().st_mode & 0o077 == 0  # the launcher's keys: private
     _every_party_stepped_once_per_batch(tmp_path, parties=4)
     _predictions_score_as_evaluated(tmp_path, records[-1]["test_accuracy"])
     _served_and_exported_as_predicted(tmp_path)
