@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from horizontal.rounds import all_finite
+
 EVAL_CHUNK = 8192
 TORCH_EVAL_CHUNK = 4096
 
@@ -60,7 +62,7 @@ def _check_features(X: torch.Tensor, y: torch.Tensor, n_features: int, where: st
         raise ValueError(f"{where}: features must be (n, {n_features}), got {tuple(X.shape)}")
     if y.shape != (X.shape[0],):
         raise ValueError(f"{where}: labels must be ({X.shape[0]},), got {tuple(y.shape)}")
-    if X.is_floating_point() and not bool(torch.isfinite(X).all()):
+    if X.is_floating_point() and not all_finite(X):
         raise ValueError(f"{where}: features contain NaN or infinity")
 
 

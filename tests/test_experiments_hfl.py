@@ -189,3 +189,21 @@ def test_isca_quick_shows_the_extra_gradient_two_uplinks_and_fedavg_split_gap(
     assert summary["split_gaps"]["fedavg"] > 0.05
     text = (out / "results.md").read_text()
     assert "MNIST absent" in text and "Headline (ISCA consistent" in text
+
+
+def test_a_feature_nan_or_infinity_anywhere_is_refused_by_the_data_check() -> None:
+    """The data check reads the smallest and largest feature (horizontal/rounds.py ``all_finite``): a NaN
+    or ±inf in any position, a strided view's included, is still found; finite data and no rows pass."""
+    import torch
+
+    from horizontal.models import MLP
+
+    model = MLP(6, (), 3)
+    y = torch.zeros(5, dtype=torch.int64)
+    model.check_data(torch.zeros(5, 6), y, "train")
+    model.check_data(torch.zeros(0, 6), y[:0], "train")
+    for value in (math.nan, math.inf, -math.inf):
+        X = torch.zeros(5, 12)
+        X[3, 7] = value
+        with pytest.raises(ValueError, match="train: features contain NaN or infinity"):
+            model.check_data(X[:, 1::2], y, "train")

@@ -12,6 +12,8 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -326,12 +328,76 @@ B, EPOCHS = 16, 1
 SVRG_EPOCHS, SVRG_EVAL_EVERY = 0.5, 0.25
 
 
+class Jobs:
+    """A module's MPI jobs, all submitted when the first test needs one and run three at a time: a job is
+    mostly waits (rank start-up, the dominator's key process, lock-step exchanges), so on two cores three
+    together take well under the time of one after another. They are submitted in the order the tests
+    read them; each test waits for its own and asserts on it alone (``-k`` on one test runs them all)."""
+
+    def __init__(self, starts: dict[str, Callable[[], object]], workers: int = 3) -> None:
+        self._pool = ThreadPoolExecutor(workers)
+        self._futures = {name: self._pool.submit(start) for name, start in starts.items()}
+
+    def __getitem__(self, name: str):
+        return self._futures[name].result()
+
+    def trained(self, name: str) -> Path:
+        """The folder of ``vfl train`` job ``name``, which must have exited 0."""
+        out, proc = self[name]
+        if proc.returncode != 0:
+            pytest.fail(f"vfl train failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def train_job(out: Path, *args: str) -> Callable[[], tuple[Path, subprocess.CompletedProcess]]:
+    return lambda: (out, train(out, *args, check=False))
+
+
+def hostile_job(out: Path, *args: str) -> Callable[[], subprocess.CompletedProcess]:
+    out.mkdir(parents=True, exist_ok=True)
+    return lambda: run_mpi(3, ["tests/mpi_scripts/hostile_he.py", args[0], str(out), *args[1:]], timeout=300,
+                           check=False)
+
+
+def tamper_job(scenario: str) -> Callable[[], subprocess.CompletedProcess]:
+    return lambda: run_mpi(3, ["tests/mpi_scripts/tamper_he.py", scenario], timeout=180, check=False)
+
+
+#: the huge-ε job's batch and step, and the ε = 0.2 job's batch
+HUGE_EPSILON_BATCH, HUGE_EPSILON_GAMMA, EPSILON_BATCH = 64, 0.04, 64
+HOSTILE = {"passive-none": ("passive", "none"), "passive-1": ("passive", "1"),
+           "dominator-paillier": ("dominator", "paillier"), "dominator-ou": ("dominator", "ou"),
+           "jacobi": ("jacobi",)}
+
+
 @pytest.fixture(scope="module")
-def he_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("he")
-    train(out, "-n", "3", "-m", "1", "--algorithm", "sgd", "--mode", "sync", "-B", str(B), "--epochs",
-          str(EPOCHS), "--label-privacy", "he", "--audit", *CANCER)
-    return out
+def jobs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("he-jobs")
+    he = ("-n", "3", "-m", "1", "--label-privacy", "he")
+    sync_sgd = (*he, "--algorithm", "sgd", "--mode", "sync")
+    starts = {
+        "svrg": train_job(root / "he-svrg", *he, "--algorithm", "svrg", "--mode", "sync", "-B", str(B),
+                          "--epochs", str(SVRG_EPOCHS), "--eval-every", str(SVRG_EVAL_EVERY),
+                          "--snapshot-every", str(SVRG_EVAL_EVERY), "--audit", *CANCER),
+        "sgd": train_job(root / "he", *sync_sgd, "-B", str(B), "--epochs", str(EPOCHS), "--audit", *CANCER),
+        **{f"tamper-{scenario}": tamper_job(scenario) for scenario in ("wide", "full-wide", "full-huge")},
+        "huge-epsilon": train_job(root / "huge-epsilon", *sync_sgd, "-B", str(HUGE_EPSILON_BATCH), "--epochs",
+                                  "1", "--epsilon", "1e4", *CANCER[:-2], "--gamma", str(HUGE_EPSILON_GAMMA)),
+        "epsilon": train_job(root / "epsilon", *he, "--algorithm", "sgd", "-B", str(EPSILON_BATCH),
+                             "--epochs", "3", "--epsilon", "0.2", "--audit", *CANCER[:-2], "--gamma", "1e-4"),
+        **{name: hostile_job(root / name, *args) for name, args in HOSTILE.items()},
+    }
+    started = Jobs(starts)
+    yield started
+    started.close()
+
+
+@pytest.fixture(scope="module")
+def he_run(jobs):
+    return jobs.trained("sgd")
 
 
 def plain_mini_batch_sgd(out) -> list[np.ndarray]:
@@ -351,12 +417,8 @@ def plain_mini_batch_sgd(out) -> list[np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def he_svrg_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("he-svrg")
-    train(out, "-n", "3", "-m", "1", "--algorithm", "svrg", "--mode", "sync", "-B", str(B), "--epochs",
-          str(SVRG_EPOCHS), "--eval-every", str(SVRG_EVAL_EVERY), "--snapshot-every", str(SVRG_EVAL_EVERY),
-          "--label-privacy", "he", "--audit", *CANCER)
-    return out
+def he_svrg_run(jobs):
+    return jobs.trained("svrg")
 
 
 def plain_mini_batch_svrg(out) -> list[np.ndarray]:
@@ -427,11 +489,11 @@ def test_a_passive_party_receives_no_theta(he_run):
 
 
 @pytest.mark.mpi
-def test_the_dominator_ends_the_job_rather_than_decrypt_a_gradient_that_reveals_theta():
+def test_the_dominator_ends_the_job_rather_than_decrypt_a_gradient_that_reveals_theta(jobs):
     """Passive party 1 answers an encrypted batch of B rows with B ciphertexts (from which it could
     solve for ϑ once decrypted): the dominator refuses in a real job and names party 1. The same
     script's ``garbage`` forgery is refused the same way (not run here: one job is enough for CI)."""
-    proc = run_mpi(3, ["tests/mpi_scripts/tamper_he.py", "wide"], timeout=180, check=False)
+    proc = jobs["tamper-wide"]
     output = proc.stdout + proc.stderr
     assert proc.returncode not in (0, 139, -11) and "NOT REJECTED" not in output, output
     assert "party 1 sent an invalid masked gradient: 16 values for a batch of 16" in output, output
@@ -442,10 +504,10 @@ def test_the_dominator_ends_the_job_rather_than_decrypt_a_gradient_that_reveals_
     ("full-wide", "party 1 sent an invalid masked gradient: 40 values for a batch of 40"),
     ("full-huge", "party 1 sent an invalid masked full gradient: announced 1099511627776 words"),
 ])
-def test_the_leader_refuses_a_forged_answer_to_the_snapshots_encrypted_full_pass(scenario, message):
+def test_the_leader_refuses_a_forged_answer_to_the_snapshots_encrypted_full_pass(jobs, scenario, message):
     """SVRG under HE: passive party 1 answers the snapshot's encrypted ϑ_0 with the n ciphertexts
     themselves (decrypted, they would be ϑ_0), or announces an answer too large to allocate."""
-    proc = run_mpi(3, ["tests/mpi_scripts/tamper_he.py", scenario], timeout=180, check=False)
+    proc = jobs[f"tamper-{scenario}"]
     output = proc.stdout + proc.stderr
     assert proc.returncode not in (0, 139, -11) and "NOT REJECTED" not in output, output
     assert message in output, output
@@ -467,23 +529,22 @@ def noiseless_replay(out, batch: int, gamma: float) -> list[np.ndarray]:
 
 
 @pytest.mark.mpi
-def test_with_epsilon_every_party_steps_with_the_noisy_thetas_at_a_huge_epsilon(tmp_path):
+def test_with_epsilon_every_party_steps_with_the_noisy_thetas_at_a_huge_epsilon(jobs):
     """--epsilon at a huge ε (σ ≈ 0.01 on each ϑ): every block is plain mini-batch SGD on the pass
     batches up to that noise (the other test shows the active block takes it too). One epoch of 8
     batches at twice the usual step moves the blocks as far as two epochs do (HE batches are slow)."""
-    batch, gamma = 64, 0.04
-    train(tmp_path, "-n", "3", "-m", "1", "--algorithm", "sgd", "--mode", "sync", "-B", str(batch),
-          "--epochs", "1", "--label-privacy", "he", "--epsilon", "1e4", *CANCER[:-2], "--gamma", str(gamma))
-    ws = noiseless_replay(tmp_path, batch, gamma)
-    assert 0.005 < json.loads((tmp_path / "config.json").read_text())["noise_multiplier"] < 0.05
+    batch, gamma = HUGE_EPSILON_BATCH, HUGE_EPSILON_GAMMA
+    out = jobs.trained("huge-epsilon")
+    ws = noiseless_replay(out, batch, gamma)
+    assert 0.005 < json.loads((out / "config.json").read_text())["noise_multiplier"] < 0.05
     for rank in range(3):
-        he = np.load(tmp_path / f"party-{rank}.ckpt.npz")["w"]
+        he = np.load(out / f"party-{rank}.ckpt.npz")["w"]
         assert np.max(np.abs(ws[rank])) > 0.05
         assert 1e-6 < np.max(np.abs(he - ws[rank])) < 1e-2, rank
 
 
 @pytest.mark.mpi
-def test_with_epsilon_a_passive_party_gets_its_batch_gradient_only_from_noisy_thetas(tmp_path):
+def test_with_epsilon_a_passive_party_gets_its_batch_gradient_only_from_noisy_thetas(jobs):
     """--epsilon: each ϑ is encrypted with N(0, σ²) added, so the gradient a passive party unmasks is
     X_Bᵀϑ̃ = X_Bᵀϑ + X_Bᵀν, whose noise has covariance σ²X_BᵀX_B. At ε = 0.2 and a tiny step, ϑ ≈ −y/2
     all along, and the residuals whitened by that covariance are independent N(0, 1) (a departure of ϑ
@@ -492,16 +553,15 @@ def test_with_epsilon_a_passive_party_gets_its_batch_gradient_only_from_noisy_th
     active party stepping with the true ϑ would differ by orders of magnitude less. The batches of a pass
     hold each row at most once. The RMS ratio over a block's 10 correlated columns is wide: drawn from
     this very model, 0.4–2.0 failed 6.7 % of correct jobs, 0.15–3.0 fails 0.015 %."""
-    batch = 64
-    train(tmp_path, "-n", "3", "-m", "1", "--algorithm", "sgd", "-B", str(batch), "--epochs", "3",
-          "--label-privacy", "he", "--epsilon", "0.2", "--audit", *CANCER[:-2], "--gamma", "1e-4")
-    config = json.loads((tmp_path / "config.json").read_text())
+    batch = EPSILON_BATCH
+    out = jobs.trained("epsilon")
+    config = json.loads((out / "config.json").read_text())
     sigma = config["noise_multiplier"]
     assert sigma > 20
-    y = load_party_file(find_party_file(tmp_path / "parties", 0)).y_train
+    y = load_party_file(find_party_file(out / "parties", 0)).y_train
     for passive in (1, 2):
-        t = Transcript.load(tmp_path / f"audit-{passive}.npz")
-        X = sp.csr_matrix(load_party_file(find_party_file(tmp_path / "parties", passive),
+        t = Transcript.load(out / f"audit-{passive}.npz")
+        X = sp.csr_matrix(load_party_file(find_party_file(out / "parties", passive),
                                           expect_labels=False).X_train)
         rows = [label_he.unpack_batch(0, w, n_rows=455, batch=batch)[1] for w in t.of_tag(TAG_HE_BATCH)]
         gradients = [g.view(np.float64) for g in t.of_tag(AUDIT_HE_GRADIENT)]
@@ -515,33 +575,39 @@ def test_with_epsilon_a_passive_party_gets_its_batch_gradient_only_from_noisy_th
             chunk = np.concatenate(rows[start:start + 7])
             assert np.unique(chunk).size == chunk.size
     passes = PassBatches(455, batch, 1, 0, seed=0).take(24)
-    for rank, plain in enumerate(noiseless_replay(tmp_path, batch, 1e-4)):
-        X = sp.csr_matrix(load_party_file(find_party_file(tmp_path / "parties", rank)).X_train)
+    for rank, plain in enumerate(noiseless_replay(out, batch, 1e-4)):
+        X = sp.csr_matrix(load_party_file(find_party_file(out / "parties", rank)).X_train)
         spread = sigma * 1e-4 / batch * np.sqrt(sum(np.asarray(X[r].multiply(X[r]).sum(axis=0)).ravel()
                                                     for r in passes))
-        ratio = np.sqrt(np.mean(((np.load(tmp_path / f"party-{rank}.ckpt.npz")["w"] - plain) / spread) ** 2))
+        ratio = np.sqrt(np.mean(((np.load(out / f"party-{rank}.ckpt.npz")["w"] - plain) / spread) ** 2))
         assert 0.15 < ratio < 3.0, (rank, ratio)
 
 
 def _hostile(tmp_path, *args: str):
-    proc = run_mpi(3, ["tests/mpi_scripts/hostile_he.py", args[0], str(tmp_path), *args[1:]], timeout=300,
-                   check=False)
+    proc = hostile_job(tmp_path, *args)()
     return proc, proc.stdout + proc.stderr
+
+
+def _hostile_of(jobs, name: str) -> tuple[Path, subprocess.CompletedProcess, str]:
+    """Job ``name`` of :data:`HOSTILE`: its folder, its process, its output."""
+    proc = jobs[name]
+    folder = Path(proc.args[proc.args.index("tests/mpi_scripts/hostile_he.py") + 2])
+    return folder, proc, proc.stdout + proc.stderr
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("epsilon", ["none", "1"])
-def test_a_malicious_passive_party_reads_theta_under_plain_he_and_only_noise_under_epsilon(tmp_path, epsilon):
+def test_a_malicious_passive_party_reads_theta_under_plain_he_and_only_noise_under_epsilon(jobs, epsilon):
     """Passive party 1 has the dominator decrypt the batch's own ciphertexts (re-randomised, B − 1 a
     batch; or packed two a ciphertext, all B). Plain he: it reads every ϑ, hence every label (the case
     docs/label-privacy.md states is not covered). he --epsilon 1: it reads ϑ̃ = ϑ + N(0, σ²) exactly, and
     its guess −sign(ϑ̃) stays within the label-DP bound max(p, e^ε/(1 + e^ε)) + δ, up to sampling error."""
     from tests.mpi_scripts.hostile_he import ATTACK_ROWS
 
-    proc, output = _hostile(tmp_path, "passive", epsilon)
+    out, proc, output = _hostile_of(jobs, f"passive-{epsilon}")
     assert proc.returncode == 0, output
-    y = np.load(tmp_path / "labels.npy")
-    attack = np.load(tmp_path / "attack.npz")
+    y = np.load(out / "labels.npy")
+    attack = np.load(out / "attack.npz")
     rows, values = attack["rows"], attack["values"]
     assert rows.size > 0.9 * ATTACK_ROWS  # 15 of 16 rows, or all 16, of every batch
     accuracy = np.mean(-np.sign(values) == y[rows])
@@ -560,14 +626,14 @@ def test_a_malicious_passive_party_reads_theta_under_plain_he_and_only_noise_und
 
 
 @pytest.mark.mpi
-def test_a_malicious_dominator_reads_no_features_under_paillier(tmp_path):
+def test_a_malicious_dominator_reads_no_features_under_paillier(jobs):
     """The dominator encrypts 2^(212+48i) instead of ϑ_i and decrypts the replies in full: with each
     mask uniform mod n the 48-bit fields it reads are unrelated to the passive parties' features."""
     from tests.mpi_scripts.hostile_he import SPY_ROWS, party, read_features
 
-    proc, output = _hostile(tmp_path, "dominator", "paillier")
+    out, proc, output = _hostile_of(jobs, "dominator-paillier")
     assert proc.returncode == 0, output
-    spy = np.load(tmp_path / "spy.npz")
+    spy = np.load(out / "spy.npz")
     for passive in (1, 2):
         X = party(passive, SPY_ROWS).block.to_csr().toarray()
         truth = np.rint(X * 2.0**label_he.FEATURE_BITS).astype(np.int64)
@@ -582,13 +648,13 @@ def test_a_malicious_dominator_reads_no_features_under_paillier(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("scenario, message", [
-    (("dominator", "ou"), "party 0 sent an invalid decrypted gradient: column"),
-    (("jacobi",), "party 0 sent an invalid encrypted batch: holds a ciphertext whose Jacobi symbol"),
+    ("dominator-ou", "party 0 sent an invalid decrypted gradient: column"),
+    ("jacobi", "party 0 sent an invalid encrypted batch: holds a ciphertext whose Jacobi symbol"),
 ])
-def test_a_passive_party_ends_the_job_naming_a_malicious_dominator(tmp_path, scenario, message):
+def test_a_passive_party_ends_the_job_naming_a_malicious_dominator(jobs, scenario, message):
     """OU: the same scaled plaintexts run past p and the decryption wraps; the unmasked value is then no
     sum honest ϑ's can make. Paillier: a ciphertext of Jacobi symbol −1 is refused before any reply."""
-    proc, output = _hostile(tmp_path, *scenario)
+    _, proc, output = _hostile_of(jobs, scenario)
     assert proc.returncode not in (0, 139, -11), output
     assert message in output, output
 

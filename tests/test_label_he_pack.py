@@ -5,6 +5,8 @@ trains to the same model packed as unpacked (protocols/label_he_pack.py)."""
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from parties.plan import resolve
 from protocols import label_he
 from protocols import label_he_pack as pack
 from protocols.errors import ProtocolViolation
-from tests.test_label_he import _hostile, noiseless_replay
+from tests.test_label_he import Jobs, hostile_job, noiseless_replay, train_job
 from tests.test_runtime import CANCER, train
 from vertical.algorithms.vfb2 import Block
 
@@ -169,42 +171,70 @@ HALF_EPOCH = ["-n", "3", "-m", "1", "--algorithm", "sgd", "--mode", "sync", "-B"
               "--label-privacy", "he", *CANCER]
 
 
+EPSILON_BATCH = 64
+
+
+def _packed_then_resumed(out: Path, kept: dict):
+    """The packed half epoch (its process and its blocks as trained kept aside: the resume overwrites
+    them), then ``--resume`` to one epoch in the same folder: one job after the other, in one worker."""
+    def run() -> tuple[Path, subprocess.CompletedProcess]:
+        _, kept["first"] = train_job(out, *HALF_EPOCH, "--he-pack")()
+        if kept["first"].returncode != 0:
+            return out, kept["first"]
+        kept["weights"] = [np.load(out / f"party-{rank}.ckpt.npz")["w"] for rank in range(3)]
+        return out, train(out, "--resume", "--epochs", "1", check=False)
+    return run
+
+
 @pytest.fixture(scope="module")
-def packed_run(tmp_path_factory):
-    """One packed half epoch serves two tests: its blocks as trained (kept aside, so the resume test may
-    run first) for the comparison with an unpacked run, and its folder for ``--resume``."""
-    out = tmp_path_factory.mktemp("packed")
-    train(out, *HALF_EPOCH, "--he-pack")
-    return out, [np.load(out / f"party-{rank}.ckpt.npz")["w"] for rank in range(3)]
+def jobs(tmp_path_factory):
+    """This module's five MPI jobs, run three at a time (tests/test_label_he.py ``Jobs``): a packed half
+    epoch and then its ``--resume`` (the weights it trained are kept aside for the comparison), the same
+    half epoch unpacked, a packed run under a huge ε, and a dominator that encrypts what it likes."""
+    root = tmp_path_factory.mktemp("pack-jobs")
+    kept: dict = {}
+    started = Jobs({
+        "packed": _packed_then_resumed(root / "packed", kept),
+        "plain": train_job(root / "plain", *HALF_EPOCH),
+        "epsilon": train_job(root / "epsilon", "-n", "3", "-m", "1", "--algorithm", "sgd", "--mode", "sync",
+                             "-B", str(EPSILON_BATCH), "--epochs", "1", "--label-privacy", "he", "--epsilon",
+                             "1e4", "--he-pack", *CANCER),
+        "hostile": hostile_job(root / "hostile", "dominator", "ou", "pack"),
+    })
+    started.kept = kept
+    yield started
+    started.close()
 
 
 @pytest.mark.mpi
-def test_a_packed_job_trains_the_same_model_as_an_unpacked_one(packed_run, tmp_path):
+def test_a_packed_job_trains_the_same_model_as_an_unpacked_one(jobs):
     """breast-cancer, OU, sync mode, one seed: packing changes only how the masked sums travel, so every
     block is the same to the last bit the fixed point keeps."""
-    train(tmp_path / "plain", *HALF_EPOCH)
-    for rank, packed in enumerate(packed_run[1]):
-        plain = np.load(tmp_path / "plain" / f"party-{rank}.ckpt.npz")["w"]
-        assert np.max(np.abs(plain)) > 0.01
-        assert np.max(np.abs(packed - plain)) < 1e-12, rank
+    jobs["packed"]  # the packed half epoch, then its resume
+    first = jobs.kept["first"]
+    assert first.returncode == 0, f"packed run failed ({first.returncode}):\n{first.stdout}\n{first.stderr}"
+    plain = jobs.trained("plain")
+    for rank, packed in enumerate(jobs.kept["weights"]):
+        unpacked = np.load(plain / f"party-{rank}.ckpt.npz")["w"]
+        assert np.max(np.abs(unpacked)) > 0.01
+        assert np.max(np.abs(packed - unpacked)) < 1e-12, rank
 
 
 @pytest.mark.mpi
-def test_packing_keeps_the_noise_inside_the_ciphertexts_under_epsilon(tmp_path):
+def test_packing_keeps_the_noise_inside_the_ciphertexts_under_epsilon(jobs):
     """he --epsilon --he-pack at a huge ε: every block is the noiseless replay up to that noise, as
     unpacked (tests/test_label_he.py)."""
-    batch = 64
-    train(tmp_path, "-n", "3", "-m", "1", "--algorithm", "sgd", "--mode", "sync", "-B", str(batch),
-          "--epochs", "1", "--label-privacy", "he", "--epsilon", "1e4", "--he-pack", *CANCER)
-    ws = noiseless_replay(tmp_path, batch, float(CANCER[CANCER.index("--gamma") + 1]))
+    out = jobs.trained("epsilon")
+    ws = noiseless_replay(out, EPSILON_BATCH, float(CANCER[CANCER.index("--gamma") + 1]))
     for rank in range(3):
-        he = np.load(tmp_path / f"party-{rank}.ckpt.npz")["w"]
+        he = np.load(out / f"party-{rank}.ckpt.npz")["w"]
         assert 1e-6 < np.max(np.abs(he - ws[rank])) < 1e-2, rank
 
 
 @pytest.mark.mpi
-def test_a_passive_party_ends_a_packed_job_naming_a_dominator_that_encrypts_what_it_likes(tmp_path):
-    proc, output = _hostile(tmp_path, "dominator", "ou", "pack")
+def test_a_passive_party_ends_a_packed_job_naming_a_dominator_that_encrypts_what_it_likes(jobs):
+    proc = jobs["hostile"]
+    output = proc.stdout + proc.stderr
     assert proc.returncode not in (0, 139, -11), output
     assert "party 0 sent an invalid decrypted gradient: slot" in output, output
 
@@ -225,10 +255,9 @@ def test_the_pack_benchmark_tables_every_job_with_its_load(tmp_path):
 
 
 @pytest.mark.mpi
-def test_a_packed_run_resumes_packed(packed_run):
+def test_a_packed_run_resumes_packed(jobs):
     """--he-pack is part of the run's plan: --resume keeps it without being told."""
-    out = packed_run[0]
-    train(out, "--resume", "--epochs", "1")
+    out = jobs.trained("packed")
     result = json.loads((out / "result.json").read_text())
     assert result["epochs"] == 1.0 and result["outcome"] == "budget"
     assert json.loads((out / "config.json").read_text())["he_pack"] is True

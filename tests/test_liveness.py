@@ -181,28 +181,43 @@ def test_vfl_aligns_accusations_are_counted_like_vfl_trains(tmp_path: Path) -> N
 # ------------------------------------------------------------------------------------ control words
 
 
+LIES = {"done-low": "DONE message: count 5 is below the 10 (ϑ, i) messages received",
+        "done-twice": "DONE message: for segment 1 where 2 was expected (a second or replayed DONE",
+        "ack-replay": "ACK message: acknowledges (ϑ, i) #2 where #5 was expected (a replay"}
+SHORT_REPLIES = {"short": "decrypted full gradient: 24 bytes, expected 32",
+                 "long": "decrypted full gradient: longer than the 32 bytes expected",
+                 "progress": "encrypted full pass: more than 3 progress words"}  # progress forever: bounded
+
+
+@pytest.fixture(scope="module")
+def lying_jobs():
+    """The six jobs whose control words lie, three at a time (tests/test_label_he.py ``Jobs``): none waits
+    on a clock (the default 30 s --peer-timeout), so a busier machine changes only how long they take."""
+    from tests.test_label_he import Jobs
+
+    def job(ranks: int, script: str, scenario: str, timeout: float):
+        return lambda: run_mpi(ranks, [f"tests/mpi_scripts/{script}", scenario], check=False, timeout=timeout)
+
+    started = Jobs({**{lie: job(3, "tamper_counts.py", lie, 90) for lie in LIES},
+                    **{reply: job(2, "tamper_control.py", reply, 60) for reply in SHORT_REPLIES}})
+    yield started
+    started.close()
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize(("scenario", "detail"), [
-    ("done-low", "DONE message: count 5 is below the 10 (ϑ, i) messages received"),
-    ("done-twice", "DONE message: for segment 1 where 2 was expected (a second or replayed DONE"),
-    ("ack-replay", "ACK message: acknowledges (ϑ, i) #2 where #5 was expected (a replay"),
-])
-def test_a_lying_done_or_ack_ends_the_job_naming_its_sender(scenario: str, detail: str) -> None:
-    proc = run_mpi(3, ["tests/mpi_scripts/tamper_counts.py", scenario], check=False, timeout=90)
+@pytest.mark.parametrize("scenario", list(LIES))
+def test_a_lying_done_or_ack_ends_the_job_naming_its_sender(lying_jobs, scenario: str) -> None:
+    proc = lying_jobs[scenario]
     assert proc.returncode != 0 and "NOT REJECTED" not in proc.stdout, proc.stdout + proc.stderr
-    assert f"[party 0] party 1 sent an invalid {detail}" in proc.stderr, proc.stderr
+    assert f"[party 0] party 1 sent an invalid {LIES[scenario]}" in proc.stderr, proc.stderr
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize(("scenario", "detail"), [
-    ("short", "decrypted full gradient: 24 bytes, expected 32"),
-    ("long", "decrypted full gradient: longer than the 32 bytes expected"),
-    ("progress", "encrypted full pass: more than 3 progress words"),  # progress forever: bounded
-])
-def test_an_he_full_pass_reply_of_the_wrong_length_is_refused_before_unmasking(scenario: str, detail: str):
-    proc = run_mpi(2, ["tests/mpi_scripts/tamper_control.py", scenario], check=False, timeout=60)
+@pytest.mark.parametrize("scenario", list(SHORT_REPLIES))
+def test_an_he_full_pass_reply_of_the_wrong_length_is_refused_before_unmasking(lying_jobs, scenario: str):
+    proc = lying_jobs[scenario]
     assert "NOT REJECTED" not in proc.stdout, proc.stdout
-    assert f"party 0 sent an invalid {detail}" in proc.stdout, proc.stderr
+    assert f"party 0 sent an invalid {SHORT_REPLIES[scenario]}" in proc.stdout, proc.stderr
 
 
 @pytest.mark.mpi
@@ -283,13 +298,14 @@ def test_a_straggler_is_slow_not_stalled_and_its_job_completes(tmp_path: Path) -
     assert (tmp_path / "result.json").exists()
 
 
-def test_resume_refuses_a_manifest_with_nan_epochs_in_one_line(tmp_path: Path) -> None:
-    """A checkpoint.json holding "epochs": NaN once made --resume train forever: it is damage."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+def test_resume_refuses_a_manifest_with_nan_epochs_in_one_line(tmp_path: Path, capsys) -> None:
+    """A checkpoint.json holding "epochs": NaN once made --resume train forever: it is damage. ``vfl``'s
+    own entry point in this process (the refusal comes before any rank or subprocess starts)."""
+    from vfl.cli import main
+
     (tmp_path / "config.json").write_text("{}\n")
     (tmp_path / "checkpoint.json").write_text('{"epochs": NaN}')
-    proc = subprocess.run([sys.executable, "-m", "vfl.cli", "train", "--out", str(tmp_path), "--resume",
-                           "--no-progress"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=60, check=False)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "checkpoint.json is damaged" in proc.stderr
+    code = main(["train", "--out", str(tmp_path), "--resume", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert len(err.strip().splitlines()) == 1 and "checkpoint.json is damaged" in err
