@@ -152,12 +152,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--settings", nargs="+", choices=["alone", "beside"], default=["alone", "beside"])
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
     started = time.time()
     runs = measure(args.settings, args.repeats, args.epochs)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], text=True,
                             capture_output=True).stdout.strip()
     meta = {"cpu": cpu_model(), "started": started, "commit": commit,
-            "command": "python -m experiments hot_path_floor " + " ".join(argv or sys.argv[1:])}
+            "command": " ".join(["python -m experiments hot_path_floor", *given])}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({**meta, "runs": runs}, indent=2) + "\n")
     (args.out / "table.md").write_text(table(meta, runs))
