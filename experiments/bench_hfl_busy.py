@@ -24,12 +24,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from experiments._machine import cpu_model
 from experiments.bench_against_commit import ROOT, _env
-from experiments.bench_hot_path import NEIGHBOUR_START_S, end, start_neighbour
+from experiments.bench_hot_path import beside_a_job
 from parties.threads import available_cpus
 
 OUT = ROOT / "experiments" / "results" / "hfl_busy"
@@ -102,18 +101,8 @@ def measure(configs: dict[str, dict], settings: list[str], repeats: int, rounds:
     for rep in range(repeats):
         for setting in settings:
             order = list(configs) if rep % 2 == 0 else list(reversed(configs))
-            with tempfile.TemporaryDirectory(prefix="hfl-busy-neighbour-") as work:
-                neighbour = None
-                if setting == "beside":
-                    neighbour = start_neighbour(ROOT, Path(work))
-                    time.sleep(NEIGHBOUR_START_S)
-                    if neighbour.poll() is not None:
-                        raise RuntimeError(f"the neighbour job ended early (exit {neighbour.returncode})")
-                try:
-                    runs += [one_run(name, configs[name], setting, rep, rounds, neighbour) for name in order]
-                finally:
-                    if neighbour is not None:
-                        end(neighbour)
+            with beside_a_job(setting, ROOT) as neighbour:
+                runs += [one_run(name, configs[name], setting, rep, rounds, neighbour) for name in order]
     return runs
 
 

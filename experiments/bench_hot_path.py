@@ -55,20 +55,28 @@ def end(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def one_run(trees: dict[str, Path], name: str, setting: str, epochs: float, seed: int) -> dict:
-    load = os.getloadavg()[0]
-    neighbour = None
-    with tempfile.TemporaryDirectory(prefix="hot-path-") as work:
+@contextlib.contextmanager
+def beside_a_job(setting: str, tree: Path):
+    """For ``setting`` "beside": a long 4-party job from ``tree`` started, training (or an error), for the
+    body, then ended; otherwise nothing. Yields the neighbour's process, or None."""
+    with tempfile.TemporaryDirectory(prefix="neighbour-") as work:
+        neighbour = None
         if setting == "beside":
-            neighbour = start_neighbour(trees["base"], Path(work))
+            neighbour = start_neighbour(tree, Path(work))
             time.sleep(NEIGHBOUR_START_S)
             if neighbour.poll() is not None:
                 raise RuntimeError(f"the neighbour job ended early (exit {neighbour.returncode})")
         try:
-            ms = ms_per_update(trees[name], epochs, seed)
+            yield neighbour
         finally:
             if neighbour is not None:
                 end(neighbour)
+
+
+def one_run(trees: dict[str, Path], name: str, setting: str, epochs: float, seed: int) -> dict:
+    load = os.getloadavg()[0]
+    with beside_a_job(setting, trees["base"]):
+        ms = ms_per_update(trees[name], epochs, seed)
     run = {"tree": name, "setting": setting, "repeat": seed, "ms_per_update": ms, "load_before": load,
            "load_after": os.getloadavg()[0]}
     print(f"  {setting:6} {name} #{seed}: {ms:.3f} ms per update (load {load:.2f})", flush=True)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from experiments._machine import cpu_model
 from experiments.bench_against_commit import ROOT, _env, ms_per_update
-from experiments.bench_hot_path import NEIGHBOUR_START_S, end, start_neighbour
+from experiments.bench_hot_path import beside_a_job
 
 OUT = ROOT / "experiments" / "results" / "hot_path_floor"
 RANK = ROOT / "experiments" / "_hot_path_floor_rank.py"
@@ -67,22 +67,12 @@ def compiled_ms(epochs: float, *, wait: str = "spin", mode: str = "", dataset: s
 
 def one_run(method: str, setting: str, epochs: float, repeat: int) -> dict:
     load = os.getloadavg()[0]
-    neighbour = None
-    with tempfile.TemporaryDirectory(prefix="hot-path-floor-") as work:
-        if setting == "beside":
-            neighbour = start_neighbour(ROOT, Path(work))
-            time.sleep(NEIGHBOUR_START_S)
-            if neighbour.poll() is not None:
-                raise RuntimeError(f"the neighbour job ended early (exit {neighbour.returncode})")
-        try:
-            if method == "vfl train":
-                ms, extra = ms_per_update(ROOT, epochs, repeat), {}
-            else:
-                extra = compiled_ms(epochs, wait="yield" if method.endswith("yielding") else "spin")
-                ms = extra.pop("ms_per_update")
-        finally:
-            if neighbour is not None:
-                end(neighbour)
+    with beside_a_job(setting, ROOT):
+        if method == "vfl train":
+            ms, extra = ms_per_update(ROOT, epochs, repeat), {}
+        else:
+            extra = compiled_ms(epochs, wait="yield" if method.endswith("yielding") else "spin")
+            ms = extra.pop("ms_per_update")
     print(f"  {setting:6} {method:13} #{repeat}: {ms:.3f} ms per update (load {load:.2f})", flush=True)
     return {"method": method, "setting": setting, "repeat": repeat, "ms_per_update": ms, "load_before": load,
             "load_after": os.getloadavg()[0], **extra}
