@@ -1,0 +1,123 @@
+"""``--engine compiled``: the numba pump of the B = 1 hot path (parties/compiled_loop.py) against the
+Python path it must match, the jobs it refuses, and hostile messages it must reject naming the sender."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parties.config import ConfigError, RunConfig, validate
+from tests.conftest import REPO_ROOT, requires_dataset, run_mpi
+
+
+def vfl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([sys.executable, "-m", "vfl.cli", *args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _train(out: Path, engine: str, *args: str) -> dict:
+    proc = vfl("train", "--algorithm", "sgd", "-B", "1", "--gamma", "0.1", "--engine", engine, "--out", str(out),
+               "--no-reference", *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((out / "result.json").read_text())
+
+
+def _blocks(out: Path, q: int) -> list[np.ndarray]:
+    return [np.load(out / f"party-{r}.ckpt.npz")["w"] for r in range(q)]
+
+
+# ------------------------------------------------------------------------------------ refusals
+
+REFUSED = [
+    ({"batch_size": 2}, "-B 2"),
+    ({"mode": "sync"}, "--mode sync"),
+    ({"algorithm": "svrg"}, "--algorithm svrg"),
+    ({"inflight": 2}, "-P 2"),
+    ({"piggyback": True}, "--piggyback"),
+    ({"secure_channels": True}, "--secure-channels"),
+    ({"audit": True}, "--audit"),
+    ({"label_privacy": "dp", "epsilon": 1.0, "active": 1}, "--label-privacy dp"),
+    ({"straggler": 1}, "--straggler"),
+    ({"link_delay_ms": 1.0}, "--link-delay"),
+]
+
+
+@pytest.mark.parametrize(("options", "named"), REFUSED, ids=[named for _, named in REFUSED])
+def test_a_job_the_pump_cannot_serve_is_refused_in_one_line_naming_the_option(options: dict,
+                                                                               named: str) -> None:
+    base = {"algorithm": "sgd", "batch_size": 1, "engine": "compiled"}
+    validate(RunConfig(**{**base, "engine": "python", **options}))  # the Python engine runs it
+    with pytest.raises(ConfigError) as refused:
+        validate(RunConfig(**{**base, **options}))
+    line = str(refused.value)
+    assert named in line and "--engine compiled" in line and "\n" not in line, line
+
+
+def test_the_command_line_refuses_before_anything_starts(tmp_path: Path) -> None:
+    proc = vfl("train", "-n", "3", "--algorithm", "sgd", "-B", "4", "--engine", "compiled",
+               "--out", str(tmp_path / "run"))
+    assert proc.returncode != 0
+    assert "--engine compiled cannot run with -B 4" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------ the same iterates
+
+
+@pytest.mark.mpi
+def test_one_dominator_gets_the_python_inline_paths_model(tmp_path: Path) -> None:
+    """One dominator, -P 1, two segments (--eval-every 0.5): the compiled job's blocks equal the
+    Python path's (same seed: the same rows, the same kernels in the same order)."""
+    common = ("-n", "3", "-m", "1", "--dataset", "breast-cancer", "--epochs", "1", "--eval-every", "0.5")
+    python = _train(tmp_path / "python", "python", *common)
+    compiled = _train(tmp_path / "compiled", "compiled", *common)
+    assert compiled["updates"] == python["updates"] > 0
+    for mine, reference in zip(_blocks(tmp_path / "compiled", 3), _blocks(tmp_path / "python", 3), strict=True):
+        assert np.abs(reference).max() > 0
+        np.testing.assert_allclose(mine, reference, rtol=0, atol=1e-9)
+
+
+@pytest.mark.mpi
+def test_a_resumed_compiled_job_goes_on(tmp_path: Path) -> None:
+    common = ("-n", "3", "-m", "2", "--dataset", "breast-cancer")
+    first = _train(tmp_path / "run", "compiled", *common, "--epochs", "0.5")
+    resumed = _train(tmp_path / "run", "compiled", *common, "--epochs", "1", "--resume")
+    assert first["epochs"] == 0.5 and resumed["epochs"] == 1
+    assert resumed["record"]["test_accuracy"] > 0.9
+
+
+@pytest.mark.mpi
+@requires_dataset("a9a")
+def test_the_issue_command_trains_a9a_as_the_python_path_does(tmp_path: Path) -> None:
+    """``vfl train -n 4 -m 4 --dataset a9a --algorithm sgd -B 1 --gamma 0.1 --engine compiled`` (a
+    quarter epoch): every dominator's updates, and the Python path's test accuracy within one point."""
+    common = ("-n", "4", "-m", "4", "--dataset", "a9a", "--epochs", "0.25")
+    python = _train(tmp_path / "python", "python", *common)
+    compiled = _train(tmp_path / "compiled", "compiled", *common)
+    assert compiled["updates"] == python["updates"]
+    accuracy = compiled["record"]["test_accuracy"]
+    assert accuracy > 0.8 and abs(accuracy - python["record"]["test_accuracy"]) <= 0.01
+
+
+# ------------------------------------------------------------------------------------ hostile peers
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("scenario", "named"), [
+    ("row", "party 1 sent an invalid (ϑ, i) message: a row is not an integer in 0..39"),
+    ("request", "party 1 sent an invalid REQUEST: sample indices 40..40 are not in 0..39"),
+    ("sum", "party 1 sent an invalid aggregation message: request id 9 where 10 is open at party 0"),
+])
+def test_a_forged_message_ends_the_job_naming_its_sender(scenario: str, named: str) -> None:
+    proc = run_mpi(3, ["tests/mpi_scripts/tamper_compiled.py", scenario], timeout=60, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 139, -11), output
+    assert "NOT REJECTED" not in output
+    assert named in output, output
