@@ -30,7 +30,8 @@ from vertical import kernels
 R_MESSAGE, R_SEGMENT, R_MASKS, R_INVALID, R_DIVERGED, R_IDLE = 1, 2, 3, 4, 5, 6
 # --- why a message is invalid (parties/compiled_pump.py words each as the Python receivers do)
 (W_WORDS, W_LONG, W_KIND, W_ROOT, W_REQ_SENDER, W_AUX, W_REQ_RID, W_ROW, W_SUM_ROOT, W_SUM_RID, W_SUM_DUP,
- W_NOT_CHILD, W_SEQ, W_BATCH, W_THETA, W_UNREQUESTED, W_THETA_ROWS, W_SENDER, W_FLAGS, W_THETA_ROW) = range(1, 21)
+ W_NOT_CHILD, W_SEQ, W_BATCH, W_THETA, W_UNREQUESTED, W_THETA_ROWS, W_SENDER, W_FLAGS,
+ W_THETA_ROW) = range(1, 21)
 # --- slots of the int64 state vector ``s``
 (ME, Q, NROWS, MI, SENT, NSTEPS, ISSUED, DONE, ACTIVE, LAZY, REG, GAP, PROBLEM, KICK, CAP, BYTE, COMM,
  ONCE, ANY_SRC, ANY_TAG, AGG_TAG, THETA_TAG, START_TAG, OVERFLOWED) = range(24)

@@ -166,9 +166,9 @@ class CompiledPump:
         rid = int(self.t[plane.rank, cl.RID]) - 1
         if flags:
             raise AggregationOverflowError(
-                f"request ({plane.rank}, {rid}): {flags} contributed value(s) were NaN/inf or too large for the "
-                f"fixed-point encoding; the sum would be wrong. Scale the values down or use fewer fraction "
-                f"bits.")
+                f"request ({plane.rank}, {rid}): {flags} contributed value(s) were NaN/inf or too large for "
+                f"the fixed-point encoding; the sum would be wrong. Scale the values down or use fewer "
+                f"fraction bits.")
         why = "ϑ is not finite: the run diverged (lower --gamma)"
         stop_job(plane.data, plane.rank, "diverged", why)
         raise Diverged(why)
@@ -181,7 +181,8 @@ class CompiledPump:
             return ProtocolViolation(source, _AGG, f"the overflow flags of request ({plane.rank}, "
                                      f"{int(self.t[plane.rank, cl.RID])}) sum to {a}, more than the "
                                      f"{plane.q} entries; a party sent corrupt flags")
-        check_envelope(source, tag, nbytes, rank=plane.rank, active_ranks=plane.active_ranks, synchronous=False)
+        check_envelope(source, tag, nbytes, rank=plane.rank, active_ranks=plane.active_ranks,
+                       synchronous=False)
         what, detail = explain(why, a, b, source, plane.rank, self.s[cl.NROWS])
         return ProtocolViolation(source, what, detail)
 

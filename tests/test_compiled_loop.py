@@ -23,8 +23,8 @@ def vfl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def _train(out: Path, engine: str, *args: str) -> dict:
-    proc = vfl("train", "--algorithm", "sgd", "-B", "1", "--gamma", "0.1", "--engine", engine, "--out", str(out),
-               "--no-reference", *args)
+    proc = vfl("train", "--algorithm", "sgd", "-B", "1", "--gamma", "0.1", "--engine", engine,
+               "--out", str(out), "--no-reference", *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads((out / "result.json").read_text())
 
@@ -79,7 +79,8 @@ def test_one_dominator_gets_the_python_inline_paths_model(tmp_path: Path) -> Non
     python = _train(tmp_path / "python", "python", *common)
     compiled = _train(tmp_path / "compiled", "compiled", *common)
     assert compiled["updates"] == python["updates"] > 0
-    for mine, reference in zip(_blocks(tmp_path / "compiled", 3), _blocks(tmp_path / "python", 3), strict=True):
+    blocks = zip(_blocks(tmp_path / "compiled", 3), _blocks(tmp_path / "python", 3), strict=True)
+    for mine, reference in blocks:
         assert np.abs(reference).max() > 0
         np.testing.assert_allclose(mine, reference, rtol=0, atol=1e-9)
 
