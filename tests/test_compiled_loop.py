@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ import pytest
 
 from parties.config import ConfigError, RunConfig, validate
 from tests.conftest import REPO_ROOT, requires_dataset, run_mpi
+from tests.mpi_scripts.stall_runtime import TIMEOUT
 
 
 def vfl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -122,3 +125,16 @@ def test_a_forged_message_ends_the_job_naming_its_sender(scenario: str, named: s
     assert proc.returncode not in (0, 139, -11), output
     assert "NOT REJECTED" not in output
     assert named in output, output
+
+
+@pytest.mark.mpi
+def test_a_python_party_that_stops_answering_is_named_by_the_pumps_deadline() -> None:
+    """Parties 0 and 1 compiled, party 2 on the Python path (the same wire: they train together first),
+    then party 2's communication thread ignores every aggregation message while it heartbeats: the
+    heartbeat thread reads the pump's open requests and ends the job naming party 2."""
+    proc = run_mpi(3, ["tests/mpi_scripts/stall_runtime.py", "tree", "compiled"], check=False, timeout=60)
+    assert proc.returncode != 0 and "NOT ENDED" not in proc.stdout and "STALL" in proc.stdout, proc.stdout
+    assert re.search(r"stop \(failed\): party 2 has been silent for [\d.]+ s while party \d waited for its "
+                     r"partial sum", proc.stderr), proc.stderr
+    stalled = time.time() - float(re.search(r"STALL (\d+\.\d+)", proc.stdout).group(1))
+    assert stalled < TIMEOUT + 2, f"the job took {stalled:.1f} s after the stall to end"
