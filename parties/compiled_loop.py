@@ -31,7 +31,7 @@ R_MESSAGE, R_SEGMENT, R_MASKS, R_INVALID, R_DIVERGED, R_IDLE = 1, 2, 3, 4, 5, 6
 # --- why a message is invalid (parties/compiled_pump.py words each as the Python receivers do)
 (W_WORDS, W_LONG, W_KIND, W_ROOT, W_REQ_SENDER, W_AUX, W_REQ_RID, W_ROW, W_SUM_ROOT, W_SUM_RID, W_SUM_DUP,
  W_NOT_CHILD, W_SEQ, W_BATCH, W_THETA, W_UNREQUESTED, W_THETA_ROWS, W_SENDER, W_FLAGS,
- W_THETA_ROW) = range(1, 21)
+ W_THETA_ROW, W_REQ_AHEAD) = range(1, 22)
 # --- slots of the int64 state vector ``s``
 (ME, Q, NROWS, MI, SENT, NSTEPS, ISSUED, DONE, ACTIVE, LAZY, REG, GAP, PROBLEM, KICK, CAP, BYTE, COMM,
  ONCE, ANY_SRC, ANY_TAG, AGG_TAG, THETA_TAG, START_TAG, OVERFLOWED) = range(24)
@@ -255,6 +255,8 @@ def _on_request(st, block, src, r, rid, aux, index):
         return _invalid(info, W_AUX, aux, 0)
     if rid != t[r, RID] or t[r, STARTED]:
         return _invalid(info, W_REQ_RID, rid, t[r, RID])
+    if rid > st[14][r]:  # the schedule: a request only once the previous one's (ϑ, i) is in (-P 1)
+        return _invalid(info, W_REQ_AHEAD, rid, st[14][r])
     if index < 0 or index >= s[NROWS]:
         return _invalid(info, W_ROW, index, s[NROWS])
     t[r, ROW] = index

@@ -183,7 +183,8 @@ class CompiledPump:
                                      f"{plane.q} entries; a party sent corrupt flags")
         check_envelope(source, tag, nbytes, rank=plane.rank, active_ranks=plane.active_ranks,
                        synchronous=False)
-        what, detail = explain(why, a, b, source, plane.rank, self.s[cl.NROWS])
+        seq = int(self.state[14][source])  # the (ϑ, i) number expected from it
+        what, detail = explain(why, a, b, source, plane.rank, self.s[cl.NROWS], seq)
         return ProtocolViolation(source, what, detail)
 
     # ------------------------------------------------------------------------------ the heartbeat thread
@@ -221,7 +222,7 @@ def problem_code(party) -> int:
     return cl.PROBLEMS[type(party.problem.loss).__name__]
 
 
-def explain(why: int, a: int, b: int, source: int, rank: int, n_rows: int) -> tuple[str, str]:
+def explain(why: int, a: int, b: int, source: int, rank: int, n_rows: int, seq: int) -> tuple[str, str]:
     """(what, detail) of an invalid message, in the Python receivers' words."""
     words = {
         cl.W_WORDS: (_AGG, f"{a} values where every message of this job has {b}") if b == 1 else
@@ -232,6 +233,8 @@ def explain(why: int, a: int, b: int, source: int, rank: int, n_rows: int) -> tu
         cl.W_AUX: ("REQUEST", f"header word 3 is {a}, not 0"),
         cl.W_REQ_RID: ("REQUEST", f"request id {a} where {b} was expected (a duplicate, replay or one too "
                                   f"far ahead)"),
+        cl.W_REQ_AHEAD: ("REQUEST", f"request id {a} before its (ϑ, i) #{b} arrived: no more than --inflight "
+                                    f"(1) may run ahead of its broadcasts"),
         cl.W_ROW: ("REQUEST", f"sample indices {a}..{a} are not in 0..{n_rows - 1}"),
         cl.W_THETA_ROW: (_THETA, f"a row is not an integer in 0..{n_rows - 1}"),
         cl.W_SUM_ROOT: (_AGG, f"the root of request ({a}, {b}) has no parent to send a tree sum to"),
@@ -239,12 +242,12 @@ def explain(why: int, a: int, b: int, source: int, rank: int, n_rows: int) -> tu
                              f"contribution or one too far ahead)"),
         cl.W_SUM_DUP: (_AGG, f"party {rank} got a second tree-{a} sum for request {b} from {source}"),
         cl.W_NOT_CHILD: (_AGG, f"party {source} is not a tree-{a} child of {rank} for request {b}"),
-        cl.W_SEQ: (_THETA, f"sequence number out of order (expected {b})"),
+        cl.W_SEQ: (_THETA, f"a sequence number out of order (#{seq} was expected)"),
         cl.W_BATCH: (_THETA, "batch size B is not 1"),
         cl.W_THETA: (_THETA, "ϑ is not finite"),
-        cl.W_UNREQUESTED: (_THETA, f"#{a} is for a step it never requested or not yet aggregated here "
-                                   f"(next request {b})"),
-        cl.W_THETA_ROWS: (_THETA, f"is for row {a} where its request aggregated row {b}"),
+        cl.W_UNREQUESTED: (_THETA, f"#{a} is for a step it never requested, or one not yet aggregated "
+                                   f"here (its next request is #{b})"),
+        cl.W_THETA_ROWS: (_THETA, f"#{seq} is for rows [{a}] where its request aggregated rows [{b}]"),
         cl.W_SENDER: (_THETA, f"party {source} may not send it to party {rank}"),
     }
     return words.get(why, ("message", f"invalid (code {why})"))
