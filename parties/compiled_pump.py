@@ -251,3 +251,24 @@ def explain(why: int, a: int, b: int, source: int, rank: int, n_rows: int, seq: 
         cl.W_SENDER: (_THETA, f"party {source} may not send it to party {rank}"),
     }
     return words.get(why, ("message", f"invalid (code {why})"))
+
+
+def compile_once() -> None:
+    """Compile the pump into numba's cache in this one process, for the types a party passes (a test
+    session or a benchmark calls it first, so that the ranks load it instead of each compiling it)."""
+    from vertical.algorithms.vfb2 import Block, get_rule
+    from vertical.problems import get_problem
+
+    block, problem = Block.from_matrix(np.eye(2)), get_problem("logistic", lam=0.1)
+    rule = get_rule("sgd")(block, problem.regularizer, problem.lam, 0.1)
+    s = np.zeros(cl.S_SLOTS, np.int64)
+    s[[cl.COMM, cl.BYTE, cl.ONCE, cl.ANY_SRC, cl.ANY_TAG]] = (handle(MPI.COMM_SELF), handle(MPI.BYTE), 1,
+                                                              MPI.ANY_SOURCE, MPI.ANY_TAG)
+    i64, u64 = np.zeros(1, np.int64), np.zeros(8, np.uint64)
+    state = (s, np.zeros((1, cl.T_COLUMNS), np.int64), np.zeros((4, 1), np.uint64), np.zeros((3, 1)),
+             np.zeros(cl.F_SLOTS), np.zeros(2, np.int64), u64.copy(), u64.copy(), np.zeros(8, np.int64),
+             np.zeros(1), np.zeros(16, np.uint64), i64.copy(), i64.copy(), np.zeros(1), i64.copy(),
+             i64.copy())
+    code = cl.pump(state, (block.indptr, block.indices, block.data, np.zeros(2), rule.mu, rule.last,
+                           rule.counters))
+    assert code == cl.R_IDLE, code

@@ -36,6 +36,15 @@ def _blocks(out: Path, q: int) -> list[np.ndarray]:
     return [np.load(out / f"party-{r}.ckpt.npz")["w"] for r in range(q)]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_once() -> None:
+    """The pump compiled into numba's cache once, in its own process (no MPI in pytest's): otherwise
+    each rank of the first job compiles it at once, on the same cores."""
+    code = "from parties.compiled_pump import compile_once; compile_once()"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, check=True, timeout=300)
+
+
 # ------------------------------------------------------------------------------------ refusals
 
 REFUSED = [
