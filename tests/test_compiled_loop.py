@@ -84,12 +84,16 @@ def test_the_command_line_refuses_before_anything_starts(tmp_path: Path) -> None
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("updates", ["eager", "lazy"])
-def test_one_dominator_gets_the_python_inline_paths_model(tmp_path: Path, updates: str) -> None:
-    """One dominator, -P 1, two segments (--eval-every 0.5), either kernel family: the compiled job's
-    blocks equal the Python path's (same seed: the same rows, the same kernels in the same order)."""
-    common = ("-n", "3", "-m", "1", "--dataset", "breast-cancer", "--epochs", "1", "--eval-every", "0.5",
-              "--updates", updates)
+@pytest.mark.parametrize(("updates", "data"), [
+    ("eager", ("--dataset", "breast-cancer")),
+    ("lazy", ("--dataset", "breast-cancer")),
+    ("eager", ("--dataset", "diabetes", "--problem", "least-squares", "--gamma", "0.01")),
+], ids=["eager", "lazy", "least-squares"])
+def test_one_dominator_gets_the_python_inline_paths_model(tmp_path: Path, updates: str, data: tuple) -> None:
+    """One dominator, -P 1, two segments (--eval-every 0.5), either kernel family, a classification and a
+    regression: the compiled job's blocks equal the Python path's (same seed: the same rows, the same
+    kernels in the same order)."""
+    common = ("-n", "3", "-m", "1", *data, "--epochs", "1", "--eval-every", "0.5", "--updates", updates)
     python = _train(tmp_path / "python", "python", *common)
     compiled = _train(tmp_path / "compiled", "compiled", *common)
     assert compiled["updates"] == python["updates"] > 0
