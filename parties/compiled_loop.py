@@ -357,6 +357,8 @@ def pump(st, block):
     """Serve the hot path until something is Python's (an ``R_*`` code; docs at the top)."""
     s, times, ts, buf, info, masks = st[0], st[3], st[5], st[6], st[8], st[10]
     status = np.zeros(8, np.int32)
+    if s[MI] + 4 > masks.size:  # a message (or the segment's start) takes at most two words
+        return R_MASKS
     if s[KICK]:  # the main thread started a segment: its first request
         s[KICK] = 0
         if not _may_issue(st):

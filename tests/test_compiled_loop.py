@@ -172,3 +172,16 @@ def test_a_dominator_beyond_its_schedule_is_named_by_the_pump(tmp_path: Path, sc
     assert "ATTACK" in proc.stdout and proc.returncode != 0 and "NOT REJECTED" not in output, output
     verdict = decisive_verdict(read_verdicts(tmp_path, 3))
     assert verdict is not None and f"party 1 sent an invalid {detail}" in verdict, (verdict, output)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("scenario", "detail"), [
+    ("done-low", "DONE message: count 5 is below the 10 (ϑ, i) messages received"),
+    ("done-twice", "DONE message: for segment 1 where 2 was expected (a second or replayed DONE"),
+])
+def test_a_lying_done_is_caught_from_the_pumps_counts(scenario: str, detail: str) -> None:
+    """Party 1 (Python path) lies in a DONE to party 0 (the pump counted its (ϑ, i))."""
+    proc = run_mpi(3, ["tests/mpi_scripts/tamper_counts.py", scenario, "compiled"], check=False, timeout=60)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "NOT REJECTED" not in output, output
+    assert f"party 1 sent an invalid {detail}" in output, output
