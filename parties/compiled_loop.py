@@ -31,15 +31,18 @@ R_MESSAGE, R_SEGMENT, R_MASKS, R_INVALID, R_DIVERGED, R_IDLE = 1, 2, 3, 4, 5, 6
 # --- why a message is invalid (parties/compiled_pump.py words each as the Python receivers do)
 (W_WORDS, W_LONG, W_KIND, W_ROOT, W_REQ_SENDER, W_AUX, W_REQ_RID, W_ROW, W_SUM_ROOT, W_SUM_RID, W_SUM_DUP,
  W_NOT_CHILD, W_SEQ, W_BATCH, W_THETA, W_UNREQUESTED, W_THETA_ROWS, W_SENDER, W_FLAGS,
- W_THETA_ROW, W_REQ_AHEAD) = range(1, 22)
+ W_THETA_ROW, W_REQ_AHEAD, W_EARLY) = range(1, 23)
 # --- slots of the int64 state vector ``s``
 (ME, Q, NROWS, MI, SENT, NSTEPS, ISSUED, DONE, ACTIVE, LAZY, REG, GAP, PROBLEM, KICK, CAP, BYTE, COMM,
- ONCE, ANY_SRC, ANY_TAG, AGG_TAG, THETA_TAG, START_TAG, OVERFLOWED) = range(24)
-S_SLOTS = 24
-# --- columns of the per-root table ``t`` (int64, one row per party)
-(RID, ROW, FIN_ROW, STARTED, GOT0, GOT1, FWD0, FWD1, PARENT0, PARENT1, CHILD0, CHILD1, ROOT_OK,
- WRITER) = range(14)
-T_COLUMNS = 14
+ ONCE, ANY_SRC, ANY_TAG, AGG_TAG, THETA_TAG, START_TAG, OVERFLOWED, INFLIGHT) = range(25)
+S_SLOTS = 25
+# --- columns of the per-root table ``t`` (int64, one row per party): the next request id (of a
+# REQUEST to come, or to issue here), the oldest one not finished here, the root's next one to step
+(NEXT, BELOW, STEPPED, PARENT0, PARENT1, CHILD0, CHILD1, ROOT_OK, WRITER) = range(9)
+T_COLUMNS = 9
+# --- fields of a request's slot in ``u`` (int64, per root and slot ``rid mod P``)
+(SRID, SROW, STARTED, GOT0, GOT1, FWD0, FWD1, DONE_HERE, COMPLETE, FROW) = range(10)
+U_FIELDS = 10
 # --- slots of the float64 vector ``f``
 GAMMA, LAM, LOG_A, DEADLINE = range(4)
 F_SLOTS = 4
@@ -128,46 +131,72 @@ def _theta(problem, z, y):
 
 
 @njit(nogil=True, cache=True)
-def _start(st, block, r):
-    """Contribute this party's masked ŵ·x to request (r, t[r, RID]): ``o + δ`` and ``count + ε`` up
+def _slot(st, r, rid):
+    """The slot of request (r, rid) (``rid mod P``), opened for it if it holds an older one (the caller
+    has checked that ``rid`` is inside the window). A finished request's row stays (``FROW``): its
+    (ϑ, i) is checked against it, and it can only be replaced once that has arrived."""
+    s, acc, u, starts = st[0], st[2], st[16], st[17]
+    k = rid % s[INFLIGHT]
+    if u[r, k, SRID] != rid:
+        u[r, k, SRID] = rid
+        for c in range(SROW, FROW):
+            u[r, k, c] = 0
+        for a in range(4):
+            acc[a, r, k] = 0
+        starts[r, k] = 0.0
+    return k
+
+
+@njit(nogil=True, cache=True)
+def _start(st, block, r, k):
+    """Contribute this party's masked ŵ·x to request (r, slot k): ``o + δ`` and ``count + ε`` up
     tree 1, ``δ`` and ``ε`` up tree 2 (``AggregationNode.start``)."""
-    s, t, acc, times, ts, masks = st[0], st[1], st[2], st[3], st[5], st[10]
+    s, acc, ts, masks, u, starts = st[0], st[2], st[5], st[10], st[16], st[17]
     delta, epsilon = masks[s[MI]], masks[s[MI] + 1]
     s[MI] += 2
-    scaled = _dot(st, block, t[r, ROW]) * SCALE
+    scaled = _dot(st, block, u[r, k, SROW]) * SCALE
     bound = 2.0**62 / s[Q]
     fits = -bound <= scaled <= bound  # NaN fails too: it contributes 0 and counts
-    acc[0, r] += np.uint64(np.int64(np.rint(scaled)) if fits else 0) + delta
-    acc[1, r] += delta
-    acc[2, r] += np.uint64(0 if fits else 1) + epsilon
-    acc[3, r] += epsilon
-    t[r, STARTED] = 1
-    times[2, r] = monotonic(ts)
+    acc[0, r, k] += np.uint64(np.int64(np.rint(scaled)) if fits else 0) + delta
+    acc[1, r, k] += delta
+    acc[2, r, k] += np.uint64(0 if fits else 1) + epsilon
+    acc[3, r, k] += epsilon
+    u[r, k, STARTED] = 1
+    starts[r, k] = monotonic(ts)
 
 
 @njit(nogil=True, cache=True)
-def _finish(st, r):
-    t, acc, times = st[1], st[2], st[3]
-    for k in range(4):
-        acc[k, r] = 0
-    t[r, GOT0] = t[r, GOT1] = t[r, FWD0] = t[r, FWD1] = t[r, STARTED] = 0
-    t[r, FIN_ROW] = t[r, ROW]
-    t[r, RID] += 1
-    times[2, r] = 0.0
+def _finish(st, r, k):
+    """Request (r, slot k) is done here; the oldest unfinished one moves on past every finished one."""
+    s, t, u, starts = st[0], st[1], st[16], st[17]
+    u[r, k, DONE_HERE] = 1
+    u[r, k, FROW] = u[r, k, SROW]
+    starts[r, k] = 0.0
+    while True:
+        b = t[r, BELOW] % s[INFLIGHT]
+        if u[r, b, SRID] != t[r, BELOW] or not u[r, b, DONE_HERE]:
+            return
+        t[r, BELOW] += 1
 
 
 @njit(nogil=True, cache=True)
-def _issue(st):
-    """This dominator's next REQUEST to every other party (``AggregationNode.announce``)."""
-    s, t, out, seg_rows = st[0], st[1], st[7], st[11]
+def _issue(st, block):
+    """This dominator's next REQUEST to every other party (``AggregationNode.announce``), and its own
+    start; whether every child's sum was already in (only a hostile child can have sent them)."""
+    s, t, out, seg_rows, u = st[0], st[1], st[7], st[11], st[16]
     me = s[ME]
+    rid = t[me, NEXT]
+    t[me, NEXT] += 1
+    k = _slot(st, me, rid)
     row = seg_rows[s[ISSUED]]
     s[ISSUED] += 1
-    t[me, ROW] = row
-    out[0], out[1], out[2], out[3], out[4] = REQUEST, me, t[me, RID], 0, row
+    u[me, k, SROW] = row
+    out[0], out[1], out[2], out[3], out[4] = REQUEST, me, rid, 0, row
     for d in range(s[Q]):
         if d != me:
             _send(s, out, 5, d, s[AGG_TAG])
+    _start(st, block, me, k)
+    return k
 
 
 @njit(nogil=True, cache=True)
@@ -181,20 +210,35 @@ def _may_issue(st):
 
 
 @njit(nogil=True, cache=True)
-def _own_step(st, block):
-    """The root's request is complete: z, ϑ, its (ϑ, i) to every other party, its own step."""
-    s, t, acc, out, info, y = st[0], st[1], st[2], st[7], st[8], st[9]
+def _complete(st, k):
+    """The root's request in slot k has every sum: its z (kept until its turn to step), or an error."""
+    s, t, acc, info, u, zs = st[0], st[1], st[2], st[8], st[16], st[18]
     me = s[ME]
-    if acc[2, me] - acc[3, me] != 0:  # the masked overflow counts: only the root learns the total
-        flags = np.int64(acc[2, me] - acc[3, me])
+    if not u[me, k, STARTED] or u[me, k, COMPLETE]:
+        return 0
+    if u[me, k, GOT0] != t[me, CHILD0] or u[me, k, GOT1] != t[me, CHILD1]:
+        return 0
+    info[5] = u[me, k, SRID]
+    flags = np.int64(acc[2, me, k] - acc[3, me, k])  # the masked overflow counts: only the root learns them
+    if flags != 0:
         if flags < 0 or flags > s[Q]:
             info[0] = me
-            return _invalid(info, W_FLAGS, flags, 0)
+            return _invalid(info, W_FLAGS, flags, u[me, k, SRID])
         s[OVERFLOWED] = flags
         return R_DIVERGED
-    z = np.float64(np.int64(acc[0, me] - acc[1, me])) / SCALE
-    row = t[me, ROW]
-    theta = _theta(s[PROBLEM], z, y[row])
+    zs[k] = np.float64(np.int64(acc[0, me, k] - acc[1, me, k])) / SCALE
+    u[me, k, COMPLETE] = 1
+    _finish(st, me, k)
+    return 0
+
+
+@njit(nogil=True, cache=True)
+def _own_step(st, block, k):
+    """The step of slot k's request, in request order: ϑ, its (ϑ, i) to every other party, the own step."""
+    s, out, y, u, zs = st[0], st[7], st[9], st[16], st[18]
+    me = s[ME]
+    row = u[me, k, SROW]
+    theta = _theta(s[PROBLEM], zs[k], y[row])
     if not np.isfinite(theta):
         return R_DIVERGED
     fo = out.view(np.float64)
@@ -205,84 +249,106 @@ def _own_step(st, block):
     s[SENT] += 1
     _step(st, block, row, theta, 0)
     s[DONE] += 1
+    u[me, k, COMPLETE] = 0
     return 0
 
 
 @njit(nogil=True, cache=True)
-def _forward(st, r):
-    """Send root r's tree sums that are complete here to their parents (``AggregationNode._advance``)."""
-    s, t, acc, out = st[0], st[1], st[2], st[7]
-    for k in range(2):
-        if not t[r, FWD0 + k] and t[r, GOT0 + k] == t[r, CHILD0 + k] and t[r, PARENT0 + k] >= 0:
-            out[0], out[1], out[2], out[3], out[4] = MASKED + k, r, t[r, RID], acc[2 + k, r], acc[k, r]
-            _send(s, out, 5, t[r, PARENT0 + k], s[AGG_TAG])
-            t[r, FWD0 + k] = 1
-
-
-@njit(nogil=True, cache=True)
-def _advance(st, block, r):
-    """Root r's request after a change: forward what is complete; a complete own request takes its
-    step and starts the next. Returns 0 or an ``R_*`` code (an error, the segment's end)."""
-    s, t = st[0], st[1]
-    me = s[ME]
-    while t[r, STARTED]:
-        _forward(st, r)
-        if r != me:
-            if t[r, FWD0] and t[r, FWD1]:
-                _finish(st, r)
-            return 0
-        if t[r, GOT0] != t[r, CHILD0] or t[r, GOT1] != t[r, CHILD1]:
-            return 0
-        code = _own_step(st, block)
-        _finish(st, r)
-        if code:
-            return code
-        if not _may_issue(st):
+def _drive(st, block):
+    """The dominator's side: each complete request's step in request order, then new requests up to
+    ``-P`` out (``DominatedLoop._drain``); ``R_SEGMENT`` once nothing is out and nothing may start."""
+    s, t, u = st[0], st[1], st[16]
+    me, p = s[ME], s[INFLIGHT]
+    while True:
+        while t[me, STEPPED] < t[me, NEXT] and u[me, t[me, STEPPED] % p, COMPLETE]:
+            code = _own_step(st, block, t[me, STEPPED] % p)
+            if code:
+                return code
+            t[me, STEPPED] += 1
+        if t[me, NEXT] - t[me, STEPPED] < p and _may_issue(st):
+            code = _complete(st, _issue(st, block))
+            if code:
+                return code
+            continue
+        if t[me, STEPPED] == t[me, NEXT] and s[ACTIVE]:
             s[ACTIVE] = 0
             return R_SEGMENT
-        _issue(st)
-        _start(st, block, me)  # a child's sum may already be in: loop
-    return 0
+        return 0
+
+
+@njit(nogil=True, cache=True)
+def _forward(st, r, k):
+    """Send request (r, slot k)'s tree sums that are complete here to their parents."""
+    s, t, acc, out, u = st[0], st[1], st[2], st[7], st[16]
+    for c in range(2):
+        if not u[r, k, FWD0 + c] and u[r, k, GOT0 + c] == t[r, CHILD0 + c] and t[r, PARENT0 + c] >= 0:
+            out[0], out[1], out[2] = MASKED + c, r, u[r, k, SRID]
+            out[3], out[4] = acc[2 + c, r, k], acc[c, r, k]
+            _send(s, out, 5, t[r, PARENT0 + c], s[AGG_TAG])
+            u[r, k, FWD0 + c] = 1
+
+
+@njit(nogil=True, cache=True)
+def _advance(st, block, r, k):
+    """Request (r, slot k) after a change: forward what is complete here; at the root, a complete
+    request waits for its turn and the dominator's side moves on (``AggregationNode._advance``)."""
+    s, u = st[0], st[16]
+    if not u[r, k, STARTED] or u[r, k, DONE_HERE]:
+        return 0
+    if r != s[ME]:
+        _forward(st, r, k)
+        if u[r, k, FWD0] and u[r, k, FWD1]:
+            _finish(st, r, k)
+        return 0
+    code = _complete(st, k)
+    if code or not u[r, k, COMPLETE]:
+        return code
+    return _drive(st, block)
 
 
 @njit(nogil=True, cache=True)
 def _on_request(st, block, src, r, rid, aux, index):
     """A REQUEST (``AggregationNode._on_request`` and the schedule's checks), then this party's start."""
-    s, t, info = st[0], st[1], st[8]
+    s, t, info, received, u = st[0], st[1], st[8], st[14], st[16]
     if src != r:
         return _invalid(info, W_REQ_SENDER, r, 0)
     if aux != 0:
         return _invalid(info, W_AUX, aux, 0)
-    if rid != t[r, RID] or t[r, STARTED]:
-        return _invalid(info, W_REQ_RID, rid, t[r, RID])
-    if rid > st[14][r]:  # the schedule: a request only once the previous one's (ϑ, i) is in (-P 1)
-        return _invalid(info, W_REQ_AHEAD, rid, st[14][r])
+    if rid != t[r, NEXT] or rid >= t[r, BELOW] + s[INFLIGHT]:
+        return _invalid(info, W_REQ_RID, rid, t[r, NEXT])
+    if rid >= received[r] + s[INFLIGHT]:  # the schedule: at most -P requests ahead of their (ϑ, i)
+        return _invalid(info, W_REQ_AHEAD, rid, received[r])
     if index < 0 or index >= s[NROWS]:
         return _invalid(info, W_ROW, index, s[NROWS])
-    t[r, ROW] = index
-    _start(st, block, r)
-    return _advance(st, block, r)
+    t[r, NEXT] += 1
+    k = _slot(st, r, rid)
+    u[r, k, SROW] = index
+    _start(st, block, r, k)
+    return _advance(st, block, r, k)
 
 
 @njit(nogil=True, cache=True)
 def _on_tree_sum(st, block, src, kind, r, rid, aux, value):
-    """A child's partial sum of tree ``kind - 1`` (``AggregationNode._on_tree_sum``): added, and
-    forwarded once complete. The tree pairs are fixed, so a non-child is refused at once."""
-    t, acc, info = st[1], st[2], st[8]
-    k = kind - MASKED
+    """A child's partial sum of tree ``kind - 1`` (``AggregationNode._on_tree_sum``), for a request in
+    the window of ``-P`` from the oldest unfinished one: added, and forwarded once complete. The tree
+    pairs are fixed, so a non-child is refused at once."""
+    s, t, acc, info, u = st[0], st[1], st[2], st[8], st[16]
+    c = kind - MASKED
     bit = np.int64(1) << src
     if src == r:
         return _invalid(info, W_SUM_ROOT, r, rid)
-    if rid != t[r, RID]:
-        return _invalid(info, W_SUM_RID, rid, t[r, RID])
-    if t[r, GOT0 + k] & bit:
-        return _invalid(info, W_SUM_DUP, k + 1, rid)
-    if not t[r, CHILD0 + k] & bit:
-        return _invalid(info, W_NOT_CHILD, k + 1, rid)
-    t[r, GOT0 + k] |= bit
-    acc[k, r] += value
-    acc[2 + k, r] += aux
-    return _advance(st, block, r)
+    k = rid % s[INFLIGHT]
+    if rid < t[r, BELOW] or rid >= t[r, BELOW] + s[INFLIGHT] or (u[r, k, SRID] == rid and u[r, k, DONE_HERE]):
+        return _invalid(info, W_SUM_RID, rid, t[r, BELOW])
+    k = _slot(st, r, rid)
+    if u[r, k, GOT0 + c] & bit:
+        return _invalid(info, W_SUM_DUP, c + 1, rid)
+    if not t[r, CHILD0 + c] & bit:
+        return _invalid(info, W_NOT_CHILD, c + 1, rid)
+    u[r, k, GOT0 + c] |= bit
+    acc[c, r, k] += value
+    acc[2 + c, r, k] += aux
+    return _advance(st, block, r, k)
 
 
 @njit(nogil=True, cache=True)
@@ -306,7 +372,7 @@ def _on_aggregation(st, block, src, nbytes):
 def _on_theta(st, block, src, nbytes):
     """A (ϑ, i) message (``Inbox.unpack``, then the schedule: the broadcast of the request of the same
     number, finished here, for its row), applied at once in its dominator's writer slot."""
-    s, t, buf, info, received, applied = st[0], st[1], st[6], st[8], st[14], st[15]
+    s, t, buf, info, received, applied, u = st[0], st[1], st[6], st[8], st[14], st[15], st[16]
     if src == s[ME] or not t[src, ROOT_OK]:
         return _invalid(info, W_SENDER, 0, 0)
     if nbytes < 32 or nbytes > 32:
@@ -321,10 +387,14 @@ def _on_theta(st, block, src, nbytes):
         return _invalid(info, W_THETA, 0, 0)
     if seq != received[src]:
         return _invalid(info, W_SEQ, 0, received[src])
-    if np.int64(seq) != t[src, RID] - 1:
-        return _invalid(info, W_UNREQUESTED, np.int64(seq), t[src, RID])
-    if np.int64(row) != t[src, FIN_ROW]:
-        return _invalid(info, W_THETA_ROWS, np.int64(row), t[src, FIN_ROW])
+    number = np.int64(seq)
+    if number >= t[src, NEXT]:
+        return _invalid(info, W_UNREQUESTED, number, t[src, NEXT])
+    k = number % s[INFLIGHT]
+    if number >= t[src, BELOW] and not (u[src, k, SRID] == number and u[src, k, DONE_HERE]):
+        return _invalid(info, W_EARLY, number, 0)
+    if np.int64(row) != u[src, k, FROW]:
+        return _invalid(info, W_THETA_ROWS, np.int64(row), u[src, k, FROW])
     received[src] += 1
     _step(st, block, np.int64(row), theta, t[src, WRITER])
     applied[src] += 1
@@ -357,20 +427,16 @@ def pump(st, block):
     """Serve the hot path until something is Python's (an ``R_*`` code; docs at the top)."""
     s, times, ts, buf, info, masks = st[0], st[3], st[5], st[6], st[8], st[10]
     status = np.zeros(8, np.int32)
-    if s[MI] + 4 > masks.size:  # a message (or the segment's start) takes at most two words
+    reserve = 2 * s[INFLIGHT] + 4  # one message starts at most -P requests here, two words each
+    if s[MI] + reserve > masks.size:
         return R_MASKS
-    if s[KICK]:  # the main thread started a segment: its first request
+    if s[KICK]:  # the main thread started a segment: its first requests
         s[KICK] = 0
-        if not _may_issue(st):
-            s[ACTIVE] = 0
-            return R_SEGMENT
-        _issue(st)
-        _start(st, block, s[ME])
-        code = _advance(st, block, s[ME])
+        code = _drive(st, block)
         if code:
             return code
     while True:
-        if s[MI] + 4 > masks.size:
+        if s[MI] + reserve > masks.size:
             return R_MASKS
         code = _wait(st)
         if code:

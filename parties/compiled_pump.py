@@ -57,25 +57,30 @@ class CompiledPump:
         s[[cl.CAP, cl.BYTE, cl.COMM]] = plane.max_words, handle(MPI.BYTE), handle(plane.data)
         s[[cl.ANY_SRC, cl.ANY_TAG]] = MPI.ANY_SOURCE, MPI.ANY_TAG
         s[[cl.AGG_TAG, cl.THETA_TAG, cl.START_TAG]] = AGGREGATION_TAG, TAG_THETA, TAG_PUMP_START
+        s[cl.INFLIGHT] = p = plane.inflight
         t = np.zeros((q, cl.T_COLUMNS), np.int64)
         for r, role in enumerate(plane.node._roles):
             t[r, [cl.PARENT0, cl.PARENT1]] = role.parents
             t[r, [cl.CHILD0, cl.CHILD1]] = role.children
         t[:, cl.ROOT_OK] = [r in plane.active_ranks for r in range(q)]
         t[:, cl.WRITER] = plane._writer_of
-        t[:, cl.FIN_ROW] = -1
+        #: per root and slot (request id mod -P): the request it holds and its progress here
+        self.u = np.zeros((q, p, cl.U_FIELDS), np.int64)
+        self.u[:, :, [cl.SRID, cl.FROW]] = -1
+        #: per root and slot: when this party started the request (0: not open here)
+        self.starts = np.zeros((q, p))
         #: per party: when it last delivered (the liveness clock, the plane's last_heard), and the start
         #: of its open request here (0: none)
-        self.times = np.zeros((3, q))
+        self.times = np.zeros((2, q))
         self.times[0], self.times[1] = plane.liveness.heard, plane.last_heard
         plane.liveness.heard, plane.last_heard = self.times[0], self.times[1]
         y = np.ascontiguousarray(party.y, np.float64) if party.active else np.zeros(1)
         self.keystream = Keystream()
         self.s, self.t, self.f = s, t, np.zeros(cl.F_SLOTS)
-        self.state = [s, t, np.zeros((4, q), np.uint64), self.times, self.f, np.zeros(2, np.int64),
+        self.state = [s, t, np.zeros((4, q, p), np.uint64), self.times, self.f, np.zeros(2, np.int64),
                       np.zeros(plane.max_words, np.uint64), np.zeros(8, np.uint64), np.zeros(8, np.int64), y,
                       np.zeros(MASK_WORDS, np.uint64), np.zeros(1, np.int64), np.zeros(1, np.int64),
-                      np.zeros(1), plane.inbox.received, plane.applied]
+                      np.zeros(1), plane.inbox.received, plane.applied, self.u, self.starts, np.zeros(p)]
         b = party.block
         self.block = (b.indptr, b.indices, b.data, party.w, rule.mu, rule.last, rule.counters)
         self._rule()
@@ -163,7 +168,7 @@ class CompiledPump:
 
     def _diverged(self) -> None:
         plane, flags = self.plane, int(self.s[cl.OVERFLOWED])
-        rid = int(self.t[plane.rank, cl.RID]) - 1
+        rid = int(self.state[8][5])
         if flags:
             raise AggregationOverflowError(
                 f"request ({plane.rank}, {rid}): {flags} contributed value(s) were NaN/inf or too large for "
@@ -178,9 +183,8 @@ class CompiledPump:
         info, plane = self.state[8].tolist(), self.plane
         source, tag, nbytes, why, a, b = info[:6]
         if why == cl.W_FLAGS:
-            return ProtocolViolation(source, _AGG, f"the overflow flags of request ({plane.rank}, "
-                                     f"{int(self.t[plane.rank, cl.RID])}) sum to {a}, more than the "
-                                     f"{plane.q} entries; a party sent corrupt flags")
+            return ProtocolViolation(source, _AGG, f"the overflow flags of request ({plane.rank}, {b}) sum "
+                                     f"to {a}, more than the {plane.q} entries; a party sent corrupt flags")
         check_envelope(source, tag, nbytes, rank=plane.rank, active_ranks=plane.active_ranks,
                        synchronous=False)
         seq = int(self.state[14][source])  # the (ϑ, i) number expected from it
@@ -192,21 +196,28 @@ class CompiledPump:
     def check_partial_sums(self) -> None:
         """Every request started here: a child that has delivered nothing for its limit since this party
         started the request ends the job naming it (``DataPlane._check_partial_sums``)."""
-        t, plane = self.t, self.plane
+        u, plane = self.u, self.plane
         for r in range(plane.q):
-            since = float(self.times[2, r])
-            if not t[r, cl.STARTED] or not since:
-                continue
-            awaited: dict[int, int] = {}
-            for k in (0, 1):
-                if t[r, cl.FWD0 + k]:
+            for k in range(u.shape[1]):
+                since = float(self.starts[r, k])
+                if not since or not u[r, k, cl.STARTED] or u[r, k, cl.DONE_HERE]:
                     continue
-                missing = int(t[r, cl.CHILD0 + k]) & ~int(t[r, cl.GOT0 + k])
-                heights = plane.node._heights[r][k]
-                for child in (c for c in range(plane.q) if missing >> c & 1):
-                    awaited[child] = min(awaited.get(child, heights[child]), heights[child])
-            if awaited:
-                plane.liveness.check(awaited, since, f"its partial sum of request ({r}, {int(t[r, cl.RID])})")
+                awaited = self._awaited(r, k)
+                if awaited:
+                    rid = int(u[r, k, cl.SRID])
+                    plane.liveness.check(awaited, since, f"its partial sum of request ({r}, {rid})")
+
+    def _awaited(self, r: int, k: int) -> dict[int, int]:
+        """The children whose sums request (r, slot k) still waits for, each at its subtree's height."""
+        t, u, awaited = self.t, self.u, {}
+        for c in (0, 1):
+            if u[r, k, cl.FWD0 + c]:
+                continue
+            missing = int(t[r, cl.CHILD0 + c]) & ~int(u[r, k, cl.GOT0 + c])
+            heights = self.plane.node._heights[r][c]
+            for child in (p for p in range(self.plane.q) if missing >> p & 1):
+                awaited[child] = min(awaited.get(child, heights[child]), heights[child])
+        return awaited
 
 
 def handle(obj) -> int:
@@ -245,6 +256,8 @@ def explain(why: int, a: int, b: int, source: int, rank: int, n_rows: int, seq: 
         cl.W_SEQ: (_THETA, f"a sequence number out of order (#{seq} was expected)"),
         cl.W_BATCH: (_THETA, "batch size B is not 1"),
         cl.W_THETA: (_THETA, "ϑ is not finite"),
+        cl.W_EARLY: (_THETA, f"#{a} came before its request was aggregated (party contributions to "
+                             f"({source}, {a}) are still due)"),
         cl.W_UNREQUESTED: (_THETA, f"#{a} is for a step it never requested, or one not yet aggregated "
                                    f"here (its next request is #{b})"),
         cl.W_THETA_ROWS: (_THETA, f"#{seq} is for rows [{a}] where its request aggregated rows [{b}]"),
@@ -262,13 +275,13 @@ def compile_once() -> None:
     block, problem = Block.from_matrix(np.eye(2)), get_problem("logistic", lam=0.1)
     rule = get_rule("sgd")(block, problem.regularizer, problem.lam, 0.1)
     s = np.zeros(cl.S_SLOTS, np.int64)
-    s[[cl.COMM, cl.BYTE, cl.ONCE, cl.ANY_SRC, cl.ANY_TAG]] = (handle(MPI.COMM_SELF), handle(MPI.BYTE), 1,
-                                                              MPI.ANY_SOURCE, MPI.ANY_TAG)
+    s[[cl.COMM, cl.BYTE, cl.ONCE, cl.ANY_SRC, cl.ANY_TAG, cl.INFLIGHT]] = (
+        handle(MPI.COMM_SELF), handle(MPI.BYTE), 1, MPI.ANY_SOURCE, MPI.ANY_TAG, 1)
     i64, u64 = np.zeros(1, np.int64), np.zeros(8, np.uint64)
-    state = (s, np.zeros((1, cl.T_COLUMNS), np.int64), np.zeros((4, 1), np.uint64), np.zeros((3, 1)),
+    state = (s, np.zeros((1, cl.T_COLUMNS), np.int64), np.zeros((4, 1, 1), np.uint64), np.zeros((2, 1)),
              np.zeros(cl.F_SLOTS), np.zeros(2, np.int64), u64.copy(), u64.copy(), np.zeros(8, np.int64),
              np.zeros(1), np.zeros(16, np.uint64), i64.copy(), i64.copy(), np.zeros(1), i64.copy(),
-             i64.copy())
+             i64.copy(), np.zeros((1, 1, cl.U_FIELDS), np.int64), np.zeros((1, 1)), np.zeros(1))
     code = cl.pump(state, (block.indptr, block.indices, block.data, np.zeros(2), rule.mu, rule.last,
                            rule.counters))
     assert code == cl.R_IDLE, code

@@ -21,7 +21,6 @@ def engine_refusal(c) -> str | None:
         (c.mode != "async", f"--mode {c.mode} (it runs async)"),
         (c.algorithm != "sgd", f"--algorithm {c.algorithm} (it runs sgd)"),
         (c.model != "linear", f"--model {c.model} (it runs the linear model)"),
-        (c.inflight != 1, f"-P {c.inflight} (it keeps one request open)"),
         (c.piggyback, "--piggyback"),
         (c.secure_channels, "--secure-channels (its messages are not sealed)"),
         (c.audit, "--audit (it keeps no transcript)"),
