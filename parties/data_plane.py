@@ -107,6 +107,9 @@ class DataPlane(DominatedLoop):
     audit transcript (None when not auditing), ``liveness`` the party's deadlines (the control plane's).
     :meth:`start` starts the threads, :meth:`stop` ends them, :meth:`free` frees the communicator."""
 
+    #: ``--engine compiled``: the numba pump that serves the hot path (parties/compiled_pump.py)
+    pump = None
+
     def __init__(self, comm: MPI.Comm, party, options: RuntimeOptions, *, tree_pairs, control,
                  label=None, records: list | None = None) -> None:
         self.party = party
@@ -174,8 +177,7 @@ class DataPlane(DominatedLoop):
         self._stopping = threading.Event()
         self._guard = functools.partial(guarded, self.data, self.rank)
         self._link = (options.link_delay, options.link_jitter, options.seed + self.rank)
-        self.compiled = options.engine == "compiled"
-        self.pump = None  # --engine compiled: parties/compiled_pump.py, built at warm-up
+        self.compiled = options.engine == "compiled"  # the pump (below) is built at warm-up
 
     def _counters(self) -> None:
         """What the control words of the data plane are checked against, per party."""
