@@ -31,7 +31,7 @@ R_MESSAGE, R_SEGMENT, R_MASKS, R_INVALID, R_DIVERGED, R_IDLE = 1, 2, 3, 4, 5, 6
 # --- why a message is invalid (parties/compiled_pump.py words each as the Python receivers do)
 (W_WORDS, W_LONG, W_KIND, W_ROOT, W_REQ_SENDER, W_AUX, W_REQ_RID, W_ROW, W_SUM_ROOT, W_SUM_RID, W_SUM_DUP,
  W_NOT_CHILD, W_SEQ, W_BATCH, W_THETA, W_UNREQUESTED, W_THETA_ROWS, W_SENDER, W_FLAGS,
- W_THETA_ROW, W_REQ_AHEAD, W_EARLY) = range(1, 23)
+ W_THETA_ROW, W_REQ_AHEAD, W_EARLY, W_REQ_WINDOW) = range(1, 24)
 # --- slots of the int64 state vector ``s``
 (ME, Q, NROWS, MI, SENT, NSTEPS, ISSUED, DONE, ACTIVE, LAZY, REG, GAP, PROBLEM, KICK, CAP, BYTE, COMM,
  ONCE, ANY_SRC, ANY_TAG, AGG_TAG, THETA_TAG, START_TAG, OVERFLOWED, INFLIGHT) = range(25)
@@ -314,8 +314,10 @@ def _on_request(st, block, src, r, rid, aux, index):
         return _invalid(info, W_REQ_SENDER, r, 0)
     if aux != 0:
         return _invalid(info, W_AUX, aux, 0)
-    if rid != t[r, NEXT] or rid >= t[r, BELOW] + s[INFLIGHT]:
+    if rid != t[r, NEXT]:
         return _invalid(info, W_REQ_RID, rid, t[r, NEXT])
+    if rid >= t[r, BELOW] + s[INFLIGHT]:
+        return _invalid(info, W_REQ_WINDOW, rid, t[r, BELOW])
     if rid >= received[r] + s[INFLIGHT]:  # the schedule: at most -P requests ahead of their (ϑ, i)
         return _invalid(info, W_REQ_AHEAD, rid, received[r])
     if index < 0 or index >= s[NROWS]:

@@ -188,7 +188,7 @@ class CompiledPump:
         check_envelope(source, tag, nbytes, rank=plane.rank, active_ranks=plane.active_ranks,
                        synchronous=False)
         seq = int(self.state[14][source])  # the (ϑ, i) number expected from it
-        what, detail = explain(why, a, b, source, plane.rank, self.s[cl.NROWS], seq)
+        what, detail = explain(why, a, b, source, plane.rank, self.s[cl.NROWS], seq, int(self.s[cl.INFLIGHT]))
         return ProtocolViolation(source, what, detail)
 
     # ------------------------------------------------------------------------------ the heartbeat thread
@@ -233,7 +233,8 @@ def problem_code(party) -> int:
     return cl.PROBLEMS[type(party.problem.loss).__name__]
 
 
-def explain(why: int, a: int, b: int, source: int, rank: int, n_rows: int, seq: int) -> tuple[str, str]:
+def explain(why: int, a: int, b: int, source: int, rank: int, n_rows: int, seq: int,
+            p: int) -> tuple[str, str]:
     """(what, detail) of an invalid message, in the Python receivers' words."""
     words = {
         cl.W_WORDS: (_AGG, f"{a} values where every message of this job has {b}") if b == 1 else
@@ -245,7 +246,9 @@ def explain(why: int, a: int, b: int, source: int, rank: int, n_rows: int, seq: 
         cl.W_REQ_RID: ("REQUEST", f"request id {a} where {b} was expected (a duplicate, replay or one too "
                                   f"far ahead)"),
         cl.W_REQ_AHEAD: ("REQUEST", f"request id {a} before its (ϑ, i) #{b} arrived: no more than --inflight "
-                                    f"(1) may run ahead of its broadcasts"),
+                                    f"({p}) may run ahead of its broadcasts"),
+        cl.W_REQ_WINDOW: ("REQUEST", f"request id {a} is more than {p} ahead of the oldest open one ({b}): "
+                                     f"more requests open at once than the job allows"),
         cl.W_ROW: ("REQUEST", f"sample indices {a}..{a} are not in 0..{n_rows - 1}"),
         cl.W_THETA_ROW: (_THETA, f"a row is not an integer in 0..{n_rows - 1}"),
         cl.W_SUM_ROOT: (_AGG, f"the root of request ({a}, {b}) has no parent to send a tree sum to"),

@@ -167,18 +167,20 @@ def test_a_python_party_that_stops_answering_is_named_by_the_pumps_deadline() ->
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize(("scenario", "detail"), [
-    ("flood", "REQUEST: request id 11 "),
-    ("unrequested", "(ϑ, i) message: #10 is for a step it never requested"),
-    ("rows", "(ϑ, i) message: #10 is for rows [7] where its request aggregated rows [3]"),
-    ("twice", "(ϑ, i) message: #11 is for a step it never requested"),
+@pytest.mark.parametrize(("scenario", "inflight", "detail"), [
+    ("flood", 1, "REQUEST: request id 11 "),
+    ("flood", 2, "REQUEST: request id 12 "),
+    ("unrequested", 1, "(ϑ, i) message: #10 is for a step it never requested"),
+    ("rows", 1, "(ϑ, i) message: #10 is for rows [7] where its request aggregated rows [3]"),
+    ("twice", 1, "(ϑ, i) message: #11 is for a step it never requested"),
 ])
-def test_a_dominator_beyond_its_schedule_is_named_by_the_pump(tmp_path: Path, scenario: str, detail: str):
-    """``tests/test_hostile_schedule.py``'s attacks, parties 0 and 2 on the pump (B = 1)."""
+def test_a_dominator_beyond_its_schedule_is_named_by_the_pump(tmp_path: Path, scenario: str, inflight: int,
+                                                              detail: str):
+    """``tests/test_hostile_schedule.py``'s attacks, parties 0 and 2 on the pump (B = 1; -P 1 and 2)."""
     from parties.outcomes import decisive_verdict, read_verdicts
 
-    proc = run_mpi(3, ["tests/mpi_scripts/hostile_schedule.py", scenario, str(tmp_path), "compiled"],
-                   check=False, timeout=60)
+    proc = run_mpi(3, ["tests/mpi_scripts/hostile_schedule.py", scenario, str(tmp_path), "compiled",
+                       str(inflight)], check=False, timeout=60)
     output = proc.stdout + proc.stderr
     assert "ATTACK" in proc.stdout and proc.returncode != 0 and "NOT REJECTED" not in output, output
     verdict = decisive_verdict(read_verdicts(tmp_path, 3))

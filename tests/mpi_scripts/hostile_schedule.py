@@ -3,7 +3,8 @@ dominator 1, after some honest steps, asks or broadcasts beyond what its schedul
 
 ``argv[1]`` picks how (``argv[2]``, when given, is the folder of the ranks' verdict files; ``argv[3]``,
 when given, is the ``--engine`` of parties 0 and 2: ``compiled`` runs them on the numba pump at B = 1,
-with party 1 on the Python path, whose calls it misuses):
+with party 1 on the Python path, whose calls it misuses; ``argv[4]``, when given, is every party's
+``--inflight``):
 
 * ``flood`` - it announces request after request (well-formed, B rows each) without waiting for any
   to finish or broadcasting their (ϑ, i): every party would compute for it at its rate;
@@ -63,8 +64,10 @@ def main() -> None:
     engine = sys.argv[3] if len(sys.argv) > 3 and rank != HOSTILE else "python"
     b = 1 if len(sys.argv) > 3 and sys.argv[3] == "compiled" else 2  # the pump runs B = 1
     party = small_party(rank, active=rank < 2, batch_size=b)
-    runtime = PartyRuntime(comm, party, RuntimeOptions(active_ranks=(0, 1), threads=1, seed=0, batch_size=b,
-                                                       peer_timeout=TIMEOUT, engine=engine))
+    inflight = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    options = RuntimeOptions(active_ranks=(0, 1), threads=1, seed=0, batch_size=b, peer_timeout=TIMEOUT,
+                             engine=engine, inflight=inflight)
+    runtime = PartyRuntime(comm, party, options)
     if rank in (0, 1):
         runtime.dominate(10)  # honest traffic first: both dominators' schedules are under way
     runtime.barrier()
