@@ -133,13 +133,14 @@ def _theta(problem, z, y):
 @njit(nogil=True, cache=True)
 def _slot(st, r, rid):
     """The slot of request (r, rid) (``rid mod P``), opened for it if it holds an older one (the caller
-    has checked that ``rid`` is inside the window). A finished request's row stays (``FROW``): its
-    (ϑ, i) is checked against it, and it can only be replaced once that has arrived."""
+    has checked that ``rid`` is inside the window). A finished request's row (``FROW``) and, at the
+    root, a complete one's z waiting for its turn (``COMPLETE``, ``zs``) stay: its (ϑ, i) is checked
+    against the row, and a sum for request rid + P (a hostile child's, early) must not lose its step."""
     s, acc, u, starts = st[0], st[2], st[16], st[17]
     k = rid % s[INFLIGHT]
     if u[r, k, SRID] != rid:
         u[r, k, SRID] = rid
-        for c in range(SROW, FROW):
+        for c in range(SROW, COMPLETE):
             u[r, k, c] = 0
         for a in range(4):
             acc[a, r, k] = 0
@@ -237,7 +238,7 @@ def _own_step(st, block, k):
     """The step of slot k's request, in request order: ϑ, its (ϑ, i) to every other party, the own step."""
     s, out, y, u, zs = st[0], st[7], st[9], st[16], st[18]
     me = s[ME]
-    row = u[me, k, SROW]
+    row = u[me, k, FROW]
     theta = _theta(s[PROBLEM], zs[k], y[row])
     if not np.isfinite(theta):
         return R_DIVERGED
