@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from parties.engine import ENGINES, engine_refusal
 from vertical.algorithms.registry import ALGORITHMS, MODES, get_algorithm
 from vertical.standardize import MODES as STANDARDIZE_MODES
 
@@ -206,6 +207,9 @@ class RunConfig:
         help="svrg: a new snapshot (ϑ_0, μ) every this many epochs, the inner loop's length; "
              "independent of --eval-every (1 = one pass, as run_serial)")
     seed: int = option(0, "--seed")
+    engine: str = option("python", "--engine", choices=ENGINES,
+                         help="python: the reference runtime; compiled: the B = 1 hot path in one numba loop "
+                              "per rank (async sgd, linear model; docs/runtime.md, \"The compiled loop\")")
     straggler: int | None = option(None, "--straggler", help="rank of an injected straggler party")
     slowdown: float = option(0.4, "--slowdown", help="straggler's extra time fraction", check=non_negative())
     apply_delay_ms: float = option(
@@ -380,6 +384,8 @@ def validate(config: RunConfig) -> RunConfig:
             raise ConfigError(refusal)
     if config.channel_keys is not None and not config.secure_channels:
         raise ConfigError("--channel-keys needs --secure-channels")
+    if (refusal := engine_refusal(config)) is not None:
+        raise ConfigError(refusal)
     return config
 
 

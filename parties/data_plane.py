@@ -107,6 +107,9 @@ class DataPlane(DominatedLoop):
     audit transcript (None when not auditing), ``liveness`` the party's deadlines (the control plane's).
     :meth:`start` starts the threads, :meth:`stop` ends them, :meth:`free` frees the communicator."""
 
+    #: ``--engine compiled``: the numba pump that serves the hot path (parties/compiled_pump.py)
+    pump = None
+
     def __init__(self, comm: MPI.Comm, party, options: RuntimeOptions, *, tree_pairs, control,
                  label=None, records: list | None = None) -> None:
         self.party = party
@@ -174,6 +177,7 @@ class DataPlane(DominatedLoop):
         self._stopping = threading.Event()
         self._guard = functools.partial(guarded, self.data, self.rank)
         self._link = (options.link_delay, options.link_jitter, options.seed + self.rank)
+        self.compiled = options.engine == "compiled"  # the pump (below) is built at warm-up
 
     def _counters(self) -> None:
         """What the control words of the data plane are checked against, per party."""
@@ -248,6 +252,11 @@ class DataPlane(DominatedLoop):
     def _warm_up(self) -> None:
         """Compile the numba kernels (or run a network once) now, so that it never counts as training."""
         self.part.warm_up()
+        if self.compiled:
+            from parties.compiled_pump import CompiledPump
+
+            self.pump = CompiledPump(self)
+            self.pump.warm_up()
 
     def stop(self) -> None:
         """End this party's threads once every party is done (call after a control-plane barrier).
@@ -290,6 +299,8 @@ class DataPlane(DominatedLoop):
         # Everything another party sends is validated here, before it can reach a kernel: the envelope by
         # check_envelope, the contents by Inbox (ϑ, i; DONE) and AggregationNode.receive (with this party's
         # n_rows for REQUEST indices); a ProtocolViolation names the sender, the thread's guard ends the job.
+        if self.pump is not None:  # --engine compiled: the numba pump serves the hot path's tags
+            return self.pump.serve()
         idle = (lambda: None,) if self.he or self.part.polls else ()
         while True:
             source, tag, msg = self.transport.recv_any(*idle)  # framing, sizes and seals checked there
@@ -412,6 +423,8 @@ class DataPlane(DominatedLoop):
     def _check_partial_sums(self) -> None:
         """Every request started here: a child that has delivered nothing for its limit (the level of
         its subtree's height) since this party started the request raises PeerTimeout naming it."""
+        if self.pump is not None:
+            return self.pump.check_partial_sums()
         with self.node_lock:
             waits = []
             for key, since in list(self._started.items()):

@@ -114,6 +114,8 @@ class DominatedLoop:
         assert party.active, "only a label holder dominates"
         rows = (self.sampler.integers(0, party.block.n_rows, size=(n_steps, self.batch_size))
                 if self._batches is None else self._batches.take(n_steps))
+        if self.pump is not None:  # --engine compiled: the communication thread's pump runs the segment
+            return self.pump.dominate(rows, deadline)
         seg = _Segment(rows, n_steps, deadline, [r for r in range(self.q) if r != self.rank])
         if self.inline:
             with self.inline_lock:

@@ -55,6 +55,8 @@ class RuntimeOptions:
     noise_multiplier: float | None = None
     #: --theta-noise: fresh noise on each release of a row's ϑ, or one draw per row (``per-row``)
     theta_noise: str = "fresh"
+    #: ``--engine``: ``compiled`` serves the B = 1 hot path in one numba pump (parties/compiled_pump.py)
+    engine: str = "python"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "active_ranks", tuple(self.active_ranks))
@@ -78,4 +80,4 @@ class RuntimeOptions:
             link_jitter=config.link_jitter_ms / 1e3, keys=keys, allow_two_parties=config.allow_two_parties,
             audit=config.audit, label_privacy=config.label_privacy, he_scheme=config.he_scheme,
             he_key_bits=config.he_key_bits, he_pack=config.he_pack, noise_multiplier=config.noise_multiplier,
-            theta_noise=config.theta_noise)
+            theta_noise=config.theta_noise, engine=config.engine)

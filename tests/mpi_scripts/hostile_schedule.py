@@ -1,7 +1,10 @@
 """Run under ``mpiexec -n 3``: a real VFB² runtime (dominators 0 and 1, ``--peer-timeout 3``) in which
 dominator 1, after some honest steps, asks or broadcasts beyond what its schedule allows.
 
-``argv[1]`` picks how (``argv[2]``, when given, is the folder of the ranks' verdict files):
+``argv[1]`` picks how (``argv[2]``, when given, is the folder of the ranks' verdict files; ``argv[3]``,
+when given, is the ``--engine`` of parties 0 and 2: ``compiled`` runs them on the numba pump at B = 1,
+with party 1 on the Python path, whose calls it misuses; ``argv[4]``, when given, is every party's
+``--inflight``):
 
 * ``flood`` - it announces request after request (well-formed, B rows each) without waiting for any
   to finish or broadcasting their (ϑ, i): every party would compute for it at its rate;
@@ -33,7 +36,8 @@ HOSTILE = 1
 
 def _attack(plane, scenario: str) -> None:
     others = [r for r in range(plane.q) if r != plane.rank]
-    rows = np.array([3, 5])
+    b = plane.batch_size
+    rows = np.array([3, 5])[:b]
     print(f"ATTACK {time.time():.3f}", flush=True)
     if scenario == "flood":
         for _ in range(1000):
@@ -43,12 +47,12 @@ def _attack(plane, scenario: str) -> None:
         return
     if scenario in ("rows", "twice"):
         plane.request(rows).get()  # aggregated honestly, every party contributing
-    steps = [(plane.sent, rows)] if scenario != "rows" else [(plane.sent, np.array([7, 9]))]
+    steps = [(plane.sent, rows)] if scenario != "rows" else [(plane.sent, np.array([7, 9])[:b])]
     if scenario == "twice":
         steps.append((plane.sent + 1, rows))
     for seq, sent_rows in steps:
         for dest in others:
-            plane.transport.send(dest, pack(seq, sent_rows, np.full(2, 0.5)), TAG_THETA)
+            plane.transport.send(dest, pack(seq, sent_rows, np.full(b, 0.5)), TAG_THETA)
 
 
 def main() -> None:
@@ -57,9 +61,13 @@ def main() -> None:
     rank = comm.Get_rank()
     if len(sys.argv) > 2:
         report_verdicts_to(Path(sys.argv[2]) / f"verdict-{rank}.txt")
-    party = small_party(rank, active=rank < 2, batch_size=2)
-    runtime = PartyRuntime(comm, party, RuntimeOptions(active_ranks=(0, 1), threads=1, seed=0, batch_size=2,
-                                                       peer_timeout=TIMEOUT))
+    engine = sys.argv[3] if len(sys.argv) > 3 and rank != HOSTILE else "python"
+    b = 1 if len(sys.argv) > 3 and sys.argv[3] == "compiled" else 2  # the pump runs B = 1
+    party = small_party(rank, active=rank < 2, batch_size=b)
+    inflight = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    options = RuntimeOptions(active_ranks=(0, 1), threads=1, seed=0, batch_size=b, peer_timeout=TIMEOUT,
+                             engine=engine, inflight=inflight)
+    runtime = PartyRuntime(comm, party, options)
     if rank in (0, 1):
         runtime.dominate(10)  # honest traffic first: both dominators' schedules are under way
     runtime.barrier()

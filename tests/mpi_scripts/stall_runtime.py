@@ -10,7 +10,9 @@ naming party 2 within the timeout plus the levels' stagger, heartbeats or not.
 * ``frame`` - in a full pass it sends its tree-1 sum to party 0 as a frame announcing a long message,
   and never the payload (its tree-2 sum goes normally).
 
-Party 2 prints ``STALL <time>`` when it stops; every party prints ``NOT ENDED`` if the job outlives
+``argv[2]``, when given, is the ``--engine`` of every party but party 2 (``compiled``: the numba pump's
+partial-sum deadlines; party 2 stays on the Python path, whose handler it replaces, and speaks the same
+wire). Party 2 prints ``STALL <time>`` when it stops; every party prints ``NOT ENDED`` if the job outlives
 its stall by a minute (the test's failure).
 """
 
@@ -59,8 +61,9 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     party = small_party(rank, active=rank == 0)
+    engine = sys.argv[2] if len(sys.argv) > 2 and rank != HOSTILE else "python"
     runtime = PartyRuntime(comm, party, RuntimeOptions(active_ranks=(0,), threads=1, seed=0,
-                                                       peer_timeout=TIMEOUT))
+                                                       peer_timeout=TIMEOUT, engine=engine))
     try:
         if scenario == "tree":
             if rank == 0:

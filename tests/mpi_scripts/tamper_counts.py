@@ -7,6 +7,9 @@ after honest traffic; party 0 must end the job naming party 1, else every rank p
 * ``done-twice`` - party 1 ends its segment (an honest DONE), then sends the same DONE again;
 * ``ack-replay`` - ``--mode sync``: party 0 dominates 5 steps, each acknowledged, then party 1 sends
   the acknowledgement of step 2 again.
+
+``argv[2]``, when given, is the ``--engine`` of parties 0 and 2 (``compiled``: the numba pump counts the
+(ϑ, i) that the DONE check reads; party 1 stays on the Python path).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ def main() -> None:
     rank = comm.Get_rank()
     sync = scenario == "ack-replay"
     party = small_party(rank, active=rank < 2)
+    engine = sys.argv[2] if len(sys.argv) > 2 and rank != 1 else "python"
     runtime = PartyRuntime(comm, party, RuntimeOptions(active_ranks=(0, 1), threads=1, seed=0,
-                                                       mode="sync" if sync else "async"))
+                                                       mode="sync" if sync else "async", engine=engine))
     plane = runtime.plane
     if scenario == "done-low" and rank == 1:
         runtime.dominate(10)
