@@ -84,6 +84,7 @@ class CompiledPump:
         b = party.block
         self.block = (b.indptr, b.indices, b.data, party.w, rule.mu, rule.last, rule.counters)
         self._rule()
+        plane.part.on_new_step = self._rule  # --gamma-decay reaches every party's pump, passive ones too
         self._next: tuple | None = None  # (rows, deadline, segment) the main thread hands over
         self._segment = None
 

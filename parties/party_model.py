@@ -42,6 +42,8 @@ class LinearPart:
 
     def __init__(self, party) -> None:
         self.party = party
+        #: called after each new γ (the compiled pump registers itself: --engine compiled)
+        self.on_new_step = None
 
     def contribute(self, rows: np.ndarray) -> np.ndarray:
         return self.party.rule.products(self.party.w, rows)
@@ -50,8 +52,11 @@ class LinearPart:
         self.party.rule.apply(self.party.w, rows, thetas, writer=writer)
 
     def set_step(self, gamma: float) -> None:
-        """The update rule's γ from now on (``--gamma-decay``, at whole epochs)."""
+        """The update rule's γ from now on (``--gamma-decay``, at whole epochs); and the compiled pump's,
+        which keeps γ in arrays of its own (``parties/compiled_pump.py``)."""
         self.party.rule.set_gamma(gamma)
+        if self.on_new_step is not None:
+            self.on_new_step()
 
     def theta(self, scores: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """ϑ of the loss at a label holder for its sampled ``rows``."""

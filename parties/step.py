@@ -39,5 +39,5 @@ def choose_gamma(runtime: PartyRuntime, config: JobPlan, kept: float | None = No
         if runtime.rank == 0:  # before any step: a job that aborts later still said which γ it used
             print(f"step size γ = {gamma:.4g}, {how} (B = {config.batch_size}; --gamma to set one)",
                   flush=True)
-    runtime.party.rule.set_gamma(config.gamma_at(0.0, gamma))
+    runtime.part.set_step(config.gamma_at(0.0, gamma))  # the rule's, and the compiled pump's with it
     return gamma

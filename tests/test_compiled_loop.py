@@ -198,3 +198,20 @@ def test_a_lying_done_is_caught_from_the_pumps_counts(scenario: str, detail: str
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "NOT REJECTED" not in output, output
     assert f"party 1 sent an invalid {detail}" in output, output
+
+
+@pytest.mark.mpi
+def test_a_derived_and_decaying_step_reaches_the_passive_parties_pumps(tmp_path: Path) -> None:
+    """The step derived from the data (set after the pump is built) and ``--gamma-decay`` (set at each
+    segment's end) go through ``LinearPart.set_step``; the pump keeps γ in its own arrays, so a party whose
+    pump never starts a segment (a passive one, -m 1) must get both: two epochs, the blocks equal the
+    Python path's. (Without the hook the passive pumps stepped with the rule's first γ and the job
+    diverged.)"""
+    common = ("-n", "3", "-m", "1", "--dataset", "breast-cancer", "--epochs", "2", "--eval-every", "1",
+              "--gamma-decay", "1", "--updates", "lazy", "--gamma", "auto")
+    python = _train(tmp_path / "python", "python", *common)
+    compiled = _train(tmp_path / "compiled", "compiled", *common)
+    assert compiled["updates"] == python["updates"] > 0
+    blocks = zip(_blocks(tmp_path / "compiled", 3), _blocks(tmp_path / "python", 3), strict=True)
+    for mine, reference in blocks:
+        np.testing.assert_allclose(mine, reference, rtol=0, atol=1e-9)

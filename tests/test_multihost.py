@@ -61,13 +61,22 @@ def test_each_rank_is_on_its_own_host_and_ranks_talk_tcp(emulated, tmp_path):
 
 
 @pytest.mark.mpi
-def test_vfl_train_runs_across_four_hosts(emulated, tmp_path):
+@pytest.mark.parametrize("engine", ["python", "compiled"])
+def test_vfl_train_runs_across_four_hosts(emulated, tmp_path, engine):
+    """Every rank in its own network namespace; ``--engine compiled`` too (its pump is compiled into
+    numba's cache first, as tests/test_compiled_loop.py does, not by four ranks at once)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    engine_options = ["--engine", engine]
+    if engine == "compiled":  # it runs sgd (the default is svrg)
+        engine_options += ["--algorithm", "sgd"]
+        warm = "from parties.compiled_pump import compile_once; compile_once()"
+        subprocess.run([sys.executable, "-c", warm], cwd=REPO_ROOT, env=env, check=True, timeout=300)
     emulated.launch_log.unlink(missing_ok=True)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "vfl.cli", "train", "-n", str(N_HOSTS), "--dataset", "breast-cancer",
-           "--epochs", "1", "--out", str(out), "--no-progress", *emulated.train_options()]
-    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+           "--epochs", "1", "--out", str(out), "--no-progress", *engine_options,
+           *emulated.train_options()]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
     assert result["updates"] > 0 and result["record"]["test_accuracy"] > 0.9
