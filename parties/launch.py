@@ -217,7 +217,7 @@ def run_plan(plan: JobPlan, *, extra_env: dict[str, str] | None = None, echo: bo
     if code != 0 and not echo:  # the verdict below points to the ranks' own messages
         sys.stderr.write(output[-8000:])
     if code != 0:
-        culprit = _failed_party(basis, watch.first(output))
+        culprit = _failed_party(basis, watch.first())
         print(f"vfl train: the job failed (exit code {code}){culprit}. Checkpoints, if any, are in "
               f"{out} (--resume continues from them).", file=sys.stderr)
         return EXIT_CODES["failed"]
@@ -397,9 +397,10 @@ class FirstDeath:
 
     Each rank writes ``<out>/party-<rank>.pid`` at start, and a thread waits on Linux pidfds for the
     first exit. When one rank dies, Hydra kills the others within milliseconds, so on a loaded machine
-    the thread may wake to find several ranks gone at once; Hydra's own banner then breaks the tie, as it
-    names the first PID its proxy reaped, before it killed the rest. Alone, the banner is not enough: it
-    names whichever PID it noticed, which is not always the first to die when ranks fail together.
+    the thread may wake to find several ranks gone at once. Then the first cannot be told, and the
+    launcher says so, naming them all: Hydra's banner and its exit codes are no tie-breaker, as they
+    name a rank Hydra itself killed about one time in three (measured: docs/runtime.md,
+    "Killed ranks").
     """
 
     def __init__(self, out: Path, parties: int) -> None:
@@ -438,25 +439,25 @@ class FirstDeath:
         for fd in fds:
             os.close(fd)
 
-    def first(self, output: str) -> int | None:
-        """The rank that died first, given the job's output (for Hydra's banner); None if unknown."""
+    def first(self) -> tuple[int, ...]:
+        """The ranks the watcher found gone when it first woke, in order: one rank is the first to die;
+        several were gone together (a tie); none: unknown."""
         self._thread.join(timeout=2.0)  # the job has ended: the watcher is waking, if not yet done
-        return first_to_die(self._gone_first, self._pids, output)
+        return tuple(sorted(self._gone_first))
 
 
-def first_to_die(gone_first: set[int], pids: dict[int, int], output: str) -> int | None:
-    """The first rank to die among those the watcher found ``gone_first``; ties go to the rank whose PID
-    Hydra's "BAD TERMINATION" banner names, else to the lowest rank."""
-    if len(gone_first) > 1:
-        banner = re.search(r"BAD TERMINATION.*?\n=\s+PID (\d+)", output, re.DOTALL)
-        by_pid = {pid: rank for rank, pid in pids.items()}
-        named = by_pid.get(int(banner.group(1))) if banner else None
-        if named in gone_first:
-            return named
-    return min(gone_first) if gone_first else None
+def died_first(gone: tuple[int, ...], name=lambda rank: f"party {rank}") -> str | None:
+    """"party 2 died first", or for a tie "party 0 or party 2 died first (…)"; None if unknown."""
+    if not gone:
+        return None
+    if len(gone) == 1:
+        return f"{name(gone[0])} died first"
+    names = [name(rank) for rank in gone]
+    return (f"{', '.join(names[:-1])} or {names[-1]} died first (all were gone when the launcher "
+            "looked: the machine was too busy to tell which)")
 
 
-def _failed_party(output: str, first_dead: int | None) -> str:
+def _failed_party(output: str, first_dead: tuple[int, ...]) -> str:
     """", party N ..." for a party another one caught sending an invalid message, else the party that
     reported a fatal error, else the first one that died."""
     offender = re.search(r"\] (party \d+ sent an invalid [^\n]*)", output)
@@ -465,6 +466,6 @@ def _failed_party(output: str, first_dead: int | None) -> str:
     named = re.search(r"\[party (\d+)\]", output)
     if named:
         return f": party {named.group(1)} failed (see its message above)"
-    if first_dead is not None:
-        return f": party {first_dead} died first, and the others were stopped"
+    if first_dead:
+        return f": {died_first(first_dead)}, and the others were stopped"
     return ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,15 @@ def requires_dataset(name: str) -> pytest.MarkDecorator:
     present = {info.name: info.present for info in list_datasets()}
     folders = ", ".join(map(str, data_dir_candidates()))
     return pytest.mark.skipif(not present[name], reason=f"dataset {name} not found in {folders}")
+
+
+def says_died_first(text: str, who: str) -> bool:
+    """The launcher's verdict names ``who`` as the party that died first, or, when the ranks were all gone
+    by the time it looked (a loaded machine), among those it names; never another party alone."""
+    if f"{who} died first" in text:
+        return True
+    tie = re.search(r": ([^:]*?) died first \(all were gone", text)
+    return bool(tie) and who in re.split(r", | or ", tie.group(1))
 
 
 def run_mpi(n: int, args: list[str], *, timeout: float = 120.0, env: dict[str, str] | None = None,

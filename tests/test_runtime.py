@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parties.launch import first_to_die
+from parties.launch import FirstDeath, died_first
 from parties.outcomes import find_stop
 from parties.runtime import AUDIT_FULL_THETA, AUDIT_LABELS, TAG_DONE, TAG_HEARTBEAT, TAG_STOP, TAG_THETA
 from protocols.aggregation import HEADER_WORDS, Kind
 from protocols.transport import AGGREGATION_TAG
-from tests.conftest import REPO_ROOT, run_mpi
+from tests.conftest import REPO_ROOT, run_mpi, says_died_first
 from vertical.datasets import Dataset, load, split_to_party_files
 from vertical.partition import random_blocks
 from vertical.problems import get_problem
@@ -291,7 +291,7 @@ def test_killing_a_party_ends_the_job_naming_it(tmp_path):
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode != 0
     assert time.monotonic() - killed < 10
-    assert "party 2 died first" in stderr
+    assert says_died_first(stderr, "party 2"), stderr
 
 
 def test_a_stopped_party_ends_the_job_naming_it_within_the_peer_timeout(tmp_path):
@@ -358,24 +358,52 @@ def test_each_party_keeps_its_block_in_its_own_folder_predicts_and_resumes_from_
     assert both[-1]["loss"] < both[2]["loss"]
 
 
-HYDRA_BANNER = """
-===================================================================================
-=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES
-=   PID 4242 RUNNING AT vm
-=   EXIT CODE: 9
-=   CLEANING UP REMAINING PROCESSES
-===================================================================================
-"""
+def _sleepers(count: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen(["sleep", "60"]) for _ in range(count)]
 
 
-def test_first_death_tie_goes_to_the_rank_hydra_reaped_first():
-    # A late watcher can find party 0 (killed by Hydra) and party 2 (the victim) gone together.
-    pids = {0: 4240, 1: 4241, 2: 4242}
-    assert first_to_die({0, 2}, pids, HYDRA_BANNER) == 2
-    assert first_to_die({1}, pids, HYDRA_BANNER) == 1  # a clean observation wins over the banner
-    assert first_to_die({0, 1}, pids, HYDRA_BANNER) == 0  # banner names a rank not among them
-    assert first_to_die({0, 2}, pids, "no banner") == 0
-    assert first_to_die(set(), pids, HYDRA_BANNER) is None
+def _write_pids(out: Path, procs: list[subprocess.Popen]) -> None:
+    for rank, proc in enumerate(procs):
+        (out / f"party-{rank}.pid").write_text(str(proc.pid))
+
+
+def test_the_first_death_is_the_one_process_the_watcher_saw_end(tmp_path):
+    """Outside MPI, with no cleanup racing it, the watcher names exactly the process that was killed."""
+    procs = _sleepers(3)
+    try:
+        watch = FirstDeath(tmp_path, 3)
+        _write_pids(tmp_path, procs)
+        time.sleep(0.5)  # the watcher has opened its pidfds
+        procs[1].kill()
+        procs[1].wait()
+        assert watch.first() == (1,)
+        assert died_first(watch.first()) == "party 1 died first"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_ranks_gone_together_are_all_named_as_a_tie_never_one_of_them_alone(tmp_path):
+    """Two processes already gone when the watcher looks: the launcher cannot tell which died first, and
+    says so; Hydra's banner is no tie-breaker (it names a rank it killed itself about a third of the time)."""
+    procs = _sleepers(3)
+    try:
+        for proc in (procs[0], procs[2]):
+            proc.kill()
+            proc.wait()
+        watch = FirstDeath(tmp_path, 3)
+        _write_pids(tmp_path, procs)
+        assert watch.first() == (0, 2)
+        said = died_first(watch.first())
+        assert said.startswith("party 0 or party 2 died first (all were gone")
+        verdict = f"the job failed: {said}"
+        assert says_died_first(verdict, "party 2") and not says_died_first(verdict, "party 1")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert died_first(()) is None
 
 
 def test_a_stop_line_decides_the_outcome_whatever_code_mpiexec_reports():

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from parties.serving.front import UNKNOWN_ID
-from tests.conftest import REPO_ROOT, run_mpi
+from tests.conftest import REPO_ROOT, run_mpi, says_died_first
 
 pytestmark = pytest.mark.mpi
 
@@ -198,7 +198,7 @@ def test_a_killed_party_ends_the_service_naming_it(trained):
     pids = served.pids()
     os.kill(pids[1], signal.SIGKILL)
     assert served.end() == 1
-    assert "party 1 died first" in "".join(served.lines)
+    assert says_died_first("".join(served.lines), "party 1")
     time.sleep(0.5)
     assert not [pid for pid in pids if alive(pid)]
 

@@ -29,18 +29,23 @@ def launch_hfl(config: HflConfig, *, extra_env: dict[str, str] | None = None) ->
     code, output = run_mpi_module(config.processes + 1, "parties.hfl", ["--config", str(config_path)],
                                   extra_env=env)
     if code != 0:
-        culprit = _failed_rank(output, watch.first(output))
+        culprit = _failed_rank(output, watch.first())
         print(f"hfl: the job failed (exit code {code}){culprit}.", file=sys.stderr)
     return code
 
 
-def _failed_rank(output: str, first_dead: int | None) -> str:
+def _failed_rank(output: str, first_dead: tuple[int, ...]) -> str:
     """Which rank failed: the one that printed a fatal error, else the first to die (from pidfds: Hydra's
     banner names an arbitrary rank)."""
+    from parties.launch import died_first
+
     named = re.search(r"\[hfl rank (\d+), ([^\]]+)\]", output)
     if named:
         return f": rank {named.group(1)} ({named.group(2)}) failed, see its message above"
-    if first_dead is not None:
-        role = "the server" if first_dead == SERVER else f"client process {first_dead - 1}"
-        return f": rank {first_dead} ({role}) died first, and the other ranks were stopped"
+    if first_dead:
+        return f": {died_first(first_dead, _rank_and_role)}, and the other ranks were stopped"
     return ""
+
+
+def _rank_and_role(rank: int) -> str:
+    return f"rank {rank} ({'the server' if rank == SERVER else f'client process {rank - 1}'})"

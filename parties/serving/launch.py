@@ -122,8 +122,9 @@ def _ended(code: int, output: str, state: Path, parties: int, watch) -> int:
     if verdict:
         print(f"vfl serve: the service ended: {verdict}", file=sys.stderr)
     else:
-        first = watch.first(output)
-        who = f"party {first} died first" if first is not None else "a party died"
+        from parties.launch import died_first
+
+        who = died_first(watch.first()) or "a party died"
         print(f"vfl serve: the service ended (exit code {code}): {who}, and under one mpiexec the others "
               "were stopped with it", file=sys.stderr)
     return EXIT_CODES["failed"]
