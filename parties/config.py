@@ -207,9 +207,10 @@ class RunConfig:
         help="svrg: a new snapshot (ϑ_0, μ) every this many epochs, the inner loop's length; "
              "independent of --eval-every (1 = one pass, as run_serial)")
     seed: int = option(0, "--seed")
-    engine: str = option("python", "--engine", choices=ENGINES,
+    engine: str = option("auto", "--engine", choices=ENGINES,
                          help="python: the reference runtime; compiled: the B = 1 hot path in one numba loop "
-                              "per rank (async sgd, linear model; docs/runtime.md, \"The compiled loop\")")
+                              "per rank (async sgd, linear model; docs/runtime.md, \"The compiled loop\"); "
+                              "auto: compiled for the jobs it serves, else python")
     straggler: int | None = option(None, "--straggler", help="rank of an injected straggler party")
     slowdown: float = option(0.4, "--slowdown", help="straggler's extra time fraction", check=non_negative())
     apply_delay_ms: float = option(

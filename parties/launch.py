@@ -23,6 +23,7 @@ from pathlib import Path
 
 from parties.checkpoint import MANIFEST, atomic_write, complete_epochs
 from parties.config import ConfigError, RunConfig, differing_options
+from parties.engine import warm_cache
 from parties.orphans import tied_command
 from parties.outcomes import EXIT_CODES, decisive_verdict, divergence_advice, find_stop, read_verdicts
 from parties.plan import LEADER_ONLY, JobPlan, csv_party_folder, job_dataset, resolve, shared_part
@@ -196,6 +197,11 @@ def run_plan(plan: JobPlan, *, extra_env: dict[str, str] | None = None, echo: bo
     """Run a prepared job (:func:`prepare`) under ``mpiexec``; returns the exit code (:data:`EXIT_CODES`)."""
     assert plan.out is not None, "prepare() made the run folder"
     out = Path(plan.out)
+    try:
+        warm_cache(plan.options)
+    except RuntimeError as err:
+        print(f"vfl train: {err}", file=sys.stderr)
+        return EXIT_CODES["failed"]
     watch = FirstDeath(out, plan.parties)
     env = {**rank_threads(plan.parties, plan.compute_threads, extra_env), **(extra_env or {})}
     try:

@@ -69,6 +69,7 @@ class RuntimeOptions:
     def from_config(cls, config, *, keys: ChannelKeys | None = None) -> RuntimeOptions:
         """The options of a ``vfl train`` run (:class:`~parties.config.RunConfig`); ``keys``: this
         party's channel keys under ``--secure-channels``."""
+        from parties.engine import engine_for
         from vertical.algorithms.registry import get_algorithm
 
         return cls(
@@ -80,4 +81,4 @@ class RuntimeOptions:
             link_jitter=config.link_jitter_ms / 1e3, keys=keys, allow_two_parties=config.allow_two_parties,
             audit=config.audit, label_privacy=config.label_privacy, he_scheme=config.he_scheme,
             he_key_bits=config.he_key_bits, he_pack=config.he_pack, noise_multiplier=config.noise_multiplier,
-            theta_noise=config.theta_noise, engine=config.engine)
+            theta_noise=config.theta_noise, engine=engine_for(config))

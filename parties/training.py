@@ -32,6 +32,7 @@ from parties.checkpoint import (
     save_checkpoint,
 )
 from parties.config import RunConfig
+from parties.engine import engine_for
 from parties.messages import TAG_IDS
 from parties.outcomes import Outcome, worse_than_start_warning
 from parties.plan import JobPlan, next_segment, segment_quota
@@ -282,7 +283,9 @@ class _Trainer:
         chosen = "--gamma" if c.gamma is not None else ("derived from the data" if c.model == "linear"
                                                          else "Adam's default")
         model = "" if c.model == "linear" else f" with networks {c.bottom} / top {c.top}"
-        print(f"VFB²-{c.algorithm}{model} ({c.mode}) on {data}, "
+        engine = engine_for(c)
+        how = f"{c.mode}, compiled engine" if engine == "compiled" else c.mode
+        print(f"VFB²-{c.algorithm}{model} ({how}) on {data}, "
               f"q={c.parties}, m={c.active}, γ = {self.gamma:.4g} ({chosen}): {self.epochs:g} epochs, "
               f"{self.updates} dominated updates in "
               f"{self.train_time:.2f} s of training ({rate:,.0f}/s); {shown}.\n"
@@ -291,7 +294,7 @@ class _Trainer:
               flush=True)
         summary = {"outcome": outcome.name.lower(), "data": data, "epochs": self.epochs,
                    "updates": self.updates, "train_time": self.train_time, "gamma": self.gamma,
-                   "record": record}
+                   "engine": engine, "record": record}
         if configured() is not None:  # the leader's pools (parties.threads), what its time was measured on
             summary["compute_threads"] = configured()
         warning = self._worse_than_start(record, outcome)

@@ -79,6 +79,58 @@ def test_the_command_line_refuses_before_anything_starts(tmp_path: Path) -> None
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(("options", "named"), REFUSED, ids=[named for _, named in REFUSED])
+def test_auto_takes_the_python_engine_for_a_job_the_pump_cannot_serve(options: dict, named: str) -> None:
+    """``--engine auto`` (the default) never refuses: it takes the reference runtime for these jobs."""
+    from parties.engine import engine_for
+
+    assert engine_for(validate(RunConfig(**{"algorithm": "sgd", "batch_size": 1, **options}))) == "python"
+
+
+def test_auto_takes_the_compiled_engine_for_the_papers_b1_job_and_says_so(tmp_path: Path) -> None:
+    """The default engine is ``auto``: a B = 1 asynchronous SGD job runs on the pump, its summary line and
+    ``result.json`` say which engine ran, and ``--engine python`` still reaches the reference runtime."""
+    from parties.engine import engine_for
+
+    assert RunConfig().engine == "auto"
+    assert engine_for(validate(RunConfig(algorithm="sgd", batch_size=1))) == "compiled"
+    args = ("-n", "3", "-m", "1", "--dataset", "breast-cancer", "--epochs", "0.5", "--eval-every", "0.5",
+            "--out")
+    default = vfl("train", "--algorithm", "sgd", *args, str(tmp_path / "auto"))
+    assert default.returncode == 0, default.stderr
+    assert "VFB²-sgd (async, compiled engine) on breast-cancer" in default.stdout
+    assert json.loads((tmp_path / "auto" / "result.json").read_text())["engine"] == "compiled"
+    python = vfl("train", "--algorithm", "sgd", "--engine", "python", *args, str(tmp_path / "python"))
+    assert "VFB²-sgd (async) on breast-cancer" in python.stdout
+    assert json.loads((tmp_path / "python" / "result.json").read_text())["engine"] == "python"
+
+
+def test_the_launcher_compiles_only_when_the_cache_is_missing_or_older_than_the_loop(tmp_path: Path) -> None:
+    from parties.engine import _cache_is_fresh
+
+    source = tmp_path / "compiled_loop.py"
+    source.write_text("# the loop")
+    assert not _cache_is_fresh(source)  # never compiled
+    (tmp_path / "__pycache__").mkdir()
+    index = tmp_path / "__pycache__" / "compiled_loop.pump-428.py311.nbi"
+    index.write_text("index")
+    os.utime(source, (time.time() + 60, time.time() + 60))
+    assert not _cache_is_fresh(source)  # the loop changed since
+    os.utime(index, (time.time() + 120, time.time() + 120))
+    assert _cache_is_fresh(source)
+    assert _cache_is_fresh()  # this checkout: compiled by the module's fixture
+
+
+
+def test_the_launcher_compiles_in_one_process_before_the_ranks_start(monkeypatch, capsys) -> None:
+    from parties import engine
+
+    monkeypatch.setattr(engine, "_cache_is_fresh", lambda: False)
+    engine.warm_cache(RunConfig(algorithm="sgd", batch_size=1, engine="python"))
+    assert capsys.readouterr().err == ""  # the Python engine needs no compiling
+    engine.warm_cache(RunConfig(algorithm="sgd", batch_size=1))
+    assert "compiling the B = 1 loop (--engine compiled) for this checkout, once" in capsys.readouterr().err
+
 # ------------------------------------------------------------------------------ the same iterates
 
 
