@@ -4,7 +4,8 @@ The issue's goal is 0.2 ms per dominated update (a9a, q = 4, B = 1). The serial 
 the rest is the runtime. This script measures how that cost depends on the number of ranks sharing
 this machine's cores, and which thread of a party burns the CPU:
 
-* real ``vfl train`` jobs, every party active (m = q, one worker each), SGD, B = 1, for q = 2, 3, 4;
+* real ``vfl train`` jobs, every party active (m = q, one worker each), SGD, B = 1, for q = 2, 3, 4, on
+  the Python runtime (``--engine python``: the default ``auto`` would take the compiled loop);
 * for each q a short and a long job; a sampler reads every rank thread's CPU time from ``/proc``
   (the runtime names its threads ``p<rank>-main``, ``-comm``, ``-worker-k``, ``-heartbeat``), and the
   difference long − short, divided by the difference in dominated updates, is the CPU per update of
@@ -118,7 +119,7 @@ class ThreadSampler:
 def one_job(q: int, epochs: float, rep: int, args: argparse.Namespace) -> dict:
     config = RunConfig(parties=q, active=q, threads=1, dataset=args.dataset, data_dir=args.data_dir,
                        algorithm="sgd", gamma=args.gamma, epochs=epochs, eval_every=epochs, seed=rep,
-                       reference=False, allow_two_parties=q == 2)
+                       reference=False, allow_two_parties=q == 2, engine=args.engine)
     load_now = os.getloadavg()[0]
     with ThreadSampler() as sampler:
         result = run_job(config, f"q{q}-{epochs:g}-{rep}")
@@ -149,6 +150,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--long", type=float, default=0.6, help="epochs of the long job")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--engine", default="python", choices=["python", "compiled"],
+                   help="python (default): the reference runtime, whose threads split the work by role; the "
+                        "compiled pump does it all in the comm thread, yielding the core while it waits, so "
+                        "long − short reads its waiting as much as its work")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
 

@@ -82,7 +82,9 @@ def read_features(value: int, count: int) -> np.ndarray:
 def flip_jacobi(payload: bytes, n: int, index: int) -> bytes:
     """``payload`` with ciphertext ``index`` multiplied by t^n mod n², (t | n) = −1: it decrypts to the same
     plaintext and has Jacobi symbol −1. HEU keeps c·R mod n² (Montgomery form) little-endian after a
-    two-byte length; multiplying that by t^n gives the form of c·t^n."""
+    two-byte length; multiplying that by t^n gives the form of c·t^n. The top bit of those bytes is
+    HEU's sign: a forgery that sets it reads back negative and decrypts to another plaintext (2 keys of 50
+    drew such a t first), so t is drawn until the forgery leaves it clear."""
     from heu import numpy as hnp
 
     value = int(str(hnp.CiphertextArray.load_from(payload)[index]))
@@ -94,7 +96,7 @@ def flip_jacobi(payload: bytes, n: int, index: int) -> bytes:
     while True:
         t += 1
         forged = value * pow(t, n, n * n) % (n * n)
-        if gmpy2.jacobi(t, n) == -1 and forged < 1 << (8 * width):
+        if gmpy2.jacobi(t, n) == -1 and forged < 1 << (8 * width - 1):
             return payload[:at] + forged.to_bytes(width, "little") + payload[at + width:]
 
 
