@@ -7,8 +7,11 @@ number is the median of ``--rounds`` rounds after a warm-up round. Configuration
 (the order reversed every other repetition). **beside**: each repetition first starts a 4-party a9a job
 (``vfl train -n 4 -m 4 --dataset a9a --algorithm sgd -B 1 --gamma 0.1 --epochs 50``) in a temporary
 folder, gives it a few seconds to start training, runs every configuration beside it, then kills it.
+``--neighbour-base REV`` adds a setting beside the same job from an earlier commit (a temporary
+checkout), alternating with this tree's: what a change to the neighbour does to the round.
 
     python -m experiments hfl_busy [--repeats 3] [--rounds 5] [--settings idle beside] [--configs ...]
+                                   [--neighbour-base REV]
 
 Outputs under ``--out`` (``experiments/results/hfl_busy/``): ``runs.csv`` (every run, with the 1-min
 load average before and after it), ``table.md``, ``rounds.png``.
@@ -17,6 +20,7 @@ load average before and after it), ``table.md``, ``rounds.png``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -27,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 from experiments._machine import cpu_model
-from experiments.bench_against_commit import ROOT, _env
+from experiments.bench_against_commit import ROOT, _env, base_and_head, ms_per_update
 from experiments.bench_hot_path import beside_a_job
 from parties.threads import available_cpus
 
@@ -96,19 +100,23 @@ def one_run(name: str, config: dict, setting: str, repeat: int, rounds: int, nei
     return run
 
 
-def measure(configs: dict[str, dict], settings: list[str], repeats: int, rounds: int) -> list[dict]:
+def measure(configs: dict[str, dict], settings: list[str], repeats: int, rounds: int,
+            neighbours: dict[str, Path] | None = None) -> list[dict]:
+    """Every run; ``neighbours``: the tree whose 4-party job each "beside …" setting starts (this one's
+    for plain "beside")."""
     runs = []
     for rep in range(repeats):
-        for setting in settings:
+        for setting in (settings if rep % 2 == 0 else list(reversed(settings))):
             order = list(configs) if rep % 2 == 0 else list(reversed(configs))
-            with beside_a_job(setting, ROOT) as neighbour:
+            tree = (neighbours or {}).get(setting, ROOT)
+            with beside_a_job(setting.split()[0], tree) as neighbour:
                 runs += [one_run(name, configs[name], setting, rep, rounds, neighbour) for name in order]
     return runs
 
 
 def table(runs: list[dict], configs: list[str], command: str) -> str:
     settings = list(dict.fromkeys(r["setting"] for r in runs))
-    head = " | ".join(f"{s} (goal ≤ {GOALS[s]} s)" for s in settings)
+    head = " | ".join(f"{s} (goal ≤ {GOALS[s.split()[0]]} s)" for s in settings)
     lines = [f"| configuration | {head} |", "|---|" + "---:|" * len(settings)]
     for name in configs:
         cells = []
@@ -151,11 +159,12 @@ def figure(runs: list[dict], configs: list[str], path: Path) -> None:
         for name in configs:
             values = [r["seconds_per_round"] for r in runs if r["config"] == name and r["setting"] == setting]
             ax.plot(range(1, len(values) + 1), values, "o-", color=colour[name], label=name)
-        ax.axhline(GOALS[setting], color="black", ls=":", label="issue 30's goal")
+        ax.axhline(GOALS[setting.split()[0]], color="black", ls=":", label="issue 30's goal")
         repeats = max(r["repeat"] for r in runs) + 1
         ax.set(yscale="log", xlabel="repetition (configurations alternate)", ylabel="seconds per round",
                xticks=range(1, repeats + 1),
-               title="no job of ours beside" if setting == "idle" else "beside a 4-party vfl train job")
+               title={"idle": "no job of ours beside", "beside": "beside a 4-party vfl train job"}.get(
+                    setting, setting.replace("'s job", "'s 4-party job")))
         ax.yaxis.set_major_formatter(ScalarFormatter())
         ax.yaxis.set_minor_formatter(ScalarFormatter())
     figure_legend(fig, ncol=3)
@@ -171,12 +180,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     listing = "; ".join(f"{i}: {n}" for i, n in enumerate(every))
     p.add_argument("--configs", nargs="+", type=int, metavar="I", default=list(range(len(every))),
                    help=f"which configurations, by index: {listing}")
+    p.add_argument("--neighbour-base", metavar="REV",
+                   help="also run beside the 4-party job of this earlier commit (a temporary checkout), "
+                        "alternating with this tree's job: what a change to the neighbour does to the round")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     if args.repeats < 1 or args.rounds < 1 or not set(args.configs) <= set(range(len(every))):
         p.error("--repeats and --rounds must be at least 1, --configs indices from the list")
     names = [n for i, n in enumerate(every) if i in args.configs]
-    runs = measure({n: every[n] for n in names}, args.settings, args.repeats, args.rounds)
+    with contextlib.ExitStack() as stack:
+        settings, neighbours = list(args.settings), {}
+        if args.neighbour_base:  # the same runs beside the earlier commit's job too, alternating
+            trees, commits = stack.enter_context(base_and_head(args.neighbour_base, "hfl-busy-base-"))
+            ms_per_update(trees["base"], 0.05, seed=99)  # its numba cache, before it is timed beside
+            settings.append(f"beside {commits['base']}'s job")
+            neighbours[settings[-1]] = trees["base"]
+        runs = measure({n: every[n] for n in names}, settings, args.repeats, args.rounds, neighbours)
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "runs.csv").open("w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(runs[0]))

@@ -8,7 +8,9 @@ same protocol as the Python path: ``AGGREGATION_TAG`` (``protocols/aggregation.p
 steps (ϑ from the problem, the broadcast, the SGD rule's own numba kernel) and applies every (ϑ, i) it
 receives with the same kernel and writer slot as the Python inline path. Every check of the Python
 receivers is made here too, before a row reaches a kernel. It waits by ``MPI_Iprobe`` and
-``sched_yield``: with more ranks than cores a spinning ``MPI_Recv`` holds a core the peer needs.
+``sched_yield``, then by ``MPI_Iprobe`` and ``nanosleep`` once a wait is long: with more ranks than cores
+a spinning ``MPI_Recv`` holds a core the peer needs, and a rank yielding forever holds its share of the
+cores against every other job.
 
 It returns to Python (:mod:`parties.compiled_pump`) with one of the ``R_*`` codes: any other tag (the
 message stays in ``buf``), masks running low, this rank's segment finished, an invalid message (why and
@@ -68,6 +70,11 @@ MPI_RECV = types.ExternalFunction("MPI_Recv", _I32(_PTR, _I32, _I32, _I32, _I32,
 MPI_GET_COUNT = types.ExternalFunction("MPI_Get_count", _I32(_PTR, _I32, _PTR))
 MPI_IPROBE = types.ExternalFunction("MPI_Iprobe", _I32(_I32, _I32, _I32, _PTR, _PTR))
 SCHED_YIELD = types.ExternalFunction("sched_yield", _I32())
+NANOSLEEP = types.ExternalFunction("nanosleep", _I32(_PTR, _PTR))
+#: failed probes a wait yields the core between before it sleeps between them instead
+YIELDS_BEFORE_SLEEP = 64
+#: how long each of those sleeps asks for (the kernel's timer slack adds about 50 µs)
+SLEEP_NS = 50_000
 CLOCK_GETTIME = types.ExternalFunction("clock_gettime", _I32(_I32, _PTR))
 CLOCK_MONOTONIC = 1  # Linux: what Python's time.monotonic reads
 
@@ -405,13 +412,17 @@ def _on_theta(st, block, src, nbytes):
 
 
 @njit(nogil=True, cache=True)
-def _wait(st):
-    """Wait for the next message by probing and yielding the core; its sender, tag and size in
-    ``info``. Returns 0, or ``R_IDLE`` (``ONCE``: nothing was there)."""
-    s, info = st[0], st[8]
+def _wait(s, info):
+    """Wait for the next message by probing and yielding the core, then, once the wait is long
+    (``YIELDS_BEFORE_SLEEP`` probes), probing and sleeping ``SLEEP_NS``: a rank that yields forever still
+    takes its fair share of the cores from every other job. Its sender, tag and size in ``info``.
+    Returns 0, or ``R_IDLE`` (``ONCE``: nothing was there)."""
     status = np.zeros(8, np.int32)
     flag = np.zeros(1, np.int32)
     count = np.zeros(1, np.int32)
+    nap, left = np.zeros(2, np.int64), np.zeros(2, np.int64)  # struct timespec: seconds, nanoseconds
+    nap[1] = SLEEP_NS
+    failed = 0
     while True:
         MPI_IPROBE(np.int32(s[ANY_SRC]), np.int32(s[ANY_TAG]), np.int32(s[COMM]), flag.ctypes.data,
                    status.ctypes.data)
@@ -419,7 +430,11 @@ def _wait(st):
             break
         if s[ONCE]:
             return R_IDLE
-        SCHED_YIELD()
+        failed += 1
+        if failed < YIELDS_BEFORE_SLEEP:
+            SCHED_YIELD()
+        else:  # a long wait: the peer is not running; sleeping frees the core for it and for other jobs
+            NANOSLEEP(nap.ctypes.data, left.ctypes.data)
     MPI_GET_COUNT(status.ctypes.data, np.int32(s[BYTE]), count.ctypes.data)
     info[0], info[1], info[2] = status[2], status[3], count[0]
     return 0
@@ -441,7 +456,7 @@ def pump(st, block):
     while True:
         if s[MI] + reserve > masks.size:
             return R_MASKS
-        code = _wait(st)
+        code = _wait(s, info)
         if code:
             return code
         src, tag, nbytes = info[0], info[1], info[2]
