@@ -111,13 +111,10 @@ def table(meta: dict, runs: list[dict]) -> str:
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from experiments._plotting import pyplot, save
 
     settings = list(dict.fromkeys(r["setting"] for r in runs))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = pyplot().subplots(figsize=(6, 3.5), layout="constrained")
     for k, method in enumerate(COLOURS):
         for s, setting in enumerate(settings):
             ms = [r["ms_per_update"] for r in runs if r["method"] == method and r["setting"] == setting]
@@ -129,9 +126,8 @@ def plot(runs: list[dict], path: Path) -> None:
     ax.set_ylabel("ms per dominated update (log)")
     ax.set_title("B = 1, a9a, q = 4, m = 4: runs alternating")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set_xlabel("setting")
+    save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -108,12 +108,9 @@ def table(meta: dict, rows: list[dict]) -> str:
 
 
 def plot(meta: dict, rows: list[dict], path: Path) -> None:
-    import matplotlib
+    from experiments._plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4), layout="constrained")
     labels = [f"B = {r['batch']}\n{r['decryption']}" for r in rows]
     bottom = np.zeros(len(rows))
     for op, colour in COLOURS.items():
@@ -124,9 +121,8 @@ def plot(meta: dict, rows: list[dict], path: Path) -> None:
     ax.set_ylabel(f"CPU seconds an epoch / {meta['cores']} cores")
     ax.set_title("a9a HE-SGD epoch, OU 2048: the CPU floor per operation")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set_xlabel("batch size and decryption")
+    save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

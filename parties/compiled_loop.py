@@ -420,8 +420,6 @@ def _wait(s, info):
     status = np.zeros(8, np.int32)
     flag = np.zeros(1, np.int32)
     count = np.zeros(1, np.int32)
-    nap, left = np.zeros(2, np.int64), np.zeros(2, np.int64)  # struct timespec: seconds, nanoseconds
-    nap[1] = SLEEP_NS
     failed = 0
     while True:
         MPI_IPROBE(np.int32(s[ANY_SRC]), np.int32(s[ANY_TAG]), np.int32(s[COMM]), flag.ctypes.data,
@@ -434,7 +432,9 @@ def _wait(s, info):
         if failed < YIELDS_BEFORE_SLEEP:
             SCHED_YIELD()
         else:  # a long wait: the peer is not running; sleeping frees the core for it and for other jobs
-            NANOSLEEP(nap.ctypes.data, left.ctypes.data)
+            nap = np.zeros(4, np.int64)  # two struct timespec (seconds, nanoseconds): asked, left
+            nap[1] = SLEEP_NS
+            NANOSLEEP(nap.ctypes.data, nap[2:].ctypes.data)
     MPI_GET_COUNT(status.ctypes.data, np.int32(s[BYTE]), count.ctypes.data)
     info[0], info[1], info[2] = status[2], status[3], count[0]
     return 0
