@@ -14,6 +14,9 @@ core first: HEU computes on a thread pool, and with two cores free its threads' 
 * each passive party: the encrypted column sums, its masks' fresh encryptions, and (packed) the shifts
   that put four columns in one plaintext.
 
+One shift is also timed in GMP (``gmpy2``, same sizes), against HEU's: the largest operation of a
+packed epoch, in the fastest big-number library, says whether another library could lower the floor.
+
     python -m experiments label_he_floor [--batches 256 1024] [--rounds 3]
 
 Outputs in ``experiments/results/label_he_floor/``: ``results.json`` (with the load average and CPU model),
@@ -59,14 +62,11 @@ def batch_cpu(batch: int, rounds: int = 3, repeat: int = 5, key=None) -> dict[st
     """CPU seconds of each operation of one batch, unpacked and packed (one passive party's share);
     ``key``: an OU 2048 :class:`~protocols.label_he.LabelKey` (default: a fresh one)."""
     from protocols import label_he, label_he_pack
-    from vertical.algorithms.vfb2 import Block
 
-    X = sp.random(4 * batch, COLUMNS, density=NNZ_PER_ROW / COLUMNS, random_state=0, format="csr")
-    X.data[:] = 1.0  # one-hot, as a9a
-    block = Block.from_matrix(X)
+    block = _block(batch)
     key = key or label_he.LabelKey("ou", 2048)
     rng = np.random.default_rng(0)
-    rows, thetas = rng.choice(X.shape[0], batch, replace=False), rng.uniform(-1, 1, batch)
+    rows, thetas = rng.choice(block.n_rows, batch, replace=False), rng.uniform(-1, 1, batch)
     payload = key.encrypt(thetas)
     plain = label_he.BlockGradient(0, key.public_bytes(), block=block, scheme="ou", key_bits=2048)
     packed = label_he_pack.PackedBlockGradient(0, key.public_bytes(), block=block, batch=batch)
@@ -87,6 +87,39 @@ def batch_cpu(batch: int, rounds: int = 3, repeat: int = 5, key=None) -> dict[st
     }
 
 
+def shift_reference(batch: int, rounds: int = 3, count: int = 64, key=None) -> dict[str, float]:
+    """CPU seconds of one packing shift (an OU ciphertext times 2^w, w the layout's slot width) in HEU,
+    and of the same arithmetic in GMP (``gmpy2.powmod`` of a 2,048-bit value by 2^w modulo a random odd
+    2,048-bit modulus): whether a faster big-number library could lower the floor."""
+    import secrets
+
+    import gmpy2
+
+    from protocols import label_he, label_he_pack
+
+    key = key or label_he.LabelKey("ou", 2048)
+    lay = label_he_pack.layout(batch, 2048)
+    packed = label_he_pack.PackedBlockGradient(0, key.public_bytes(), block=_block(batch), batch=batch)
+    kit, ev = packed._kit, packed._evaluator
+    cts = packed._encryptor.encrypt(kit.array(np.arange(count, dtype=np.int64), packed._encoder))
+    shift = kit.array(np.array([1 << lay.width] * count, dtype=object), packed._big)
+    modulus = gmpy2.mpz(secrets.randbits(2048) | (1 << 2047) | 1)
+    values = [gmpy2.mpz(secrets.randbelow(int(modulus))) for _ in range(count)]
+    exponent = gmpy2.mpz(1) << lay.width
+    return {"HEU": _cpu(lambda: ev.mul(cts, shift), rounds, 1) / count,
+            "GMP": _cpu(lambda: [gmpy2.powmod(v, exponent, modulus) for v in values], rounds, 1) / count,
+            "width": lay.width}
+
+
+def _block(batch: int):
+    """An a9a-shaped passive block of 4·``batch`` rows: 31 one-hot columns, 3.5 non-zeros a row."""
+    from vertical.algorithms.vfb2 import Block
+
+    X = sp.random(4 * batch, COLUMNS, density=NNZ_PER_ROW / COLUMNS, random_state=0, format="csr")
+    X.data[:] = 1.0
+    return Block.from_matrix(X)
+
+
 def epoch_cpu(per_batch: dict[str, float], batch: int) -> dict[str, float]:
     """An epoch's CPU seconds per operation: the dominator's encryptions once a batch, everything else
     once per passive party a batch."""
@@ -102,6 +135,10 @@ def table(meta: dict, rows: list[dict]) -> str:
         lines.append(f"| {r['batch']} | {r['decryption']} | "
                      + " | ".join(f"{r['epoch_cpu_s'][op]:.2f}" for op in ops)
                      + f" | {r['total_cpu_s']:.2f} | **{r['floor_s']:.2f}** |")
+    if "shift" in meta:
+        ref = meta["shift"]
+        lines.append(f"\nOne packing shift (×2^{ref['width']}): HEU {ref['HEU'] * 1e6:.0f} µs, GMP "
+                     f"(`gmpy2.powmod`, same sizes) {ref['GMP'] * 1e6:.0f} µs of CPU.")
     lines.append(f"\nThe goal: ≤ {GOAL_S:g} s an epoch. {meta['cpu']}, load {meta['load_before'][0]:.2f} "
                  f"before and {meta['load_after'][0]:.2f} after; command: `{meta['command']}`.")
     return "\n".join(lines) + "\n"
@@ -142,8 +179,9 @@ def main(argv: list[str] | None = None) -> dict:
             total = sum(epoch.values())
             rows.append({"batch": batch, "decryption": decryption, "batch_cpu_s": per_batch,
                          "epoch_cpu_s": epoch, "total_cpu_s": total, "floor_s": total / cores})
+    shift = shift_reference(max(args.batches), args.rounds)
     meta = {"cpu": machine, "cores": cores, "load_before": load_before, "load_after": os.getloadavg(),
-            "command": " ".join(["python -m experiments label_he_floor", *given])}
+            "command": " ".join(["python -m experiments label_he_floor", *given]), "shift": shift}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
     (args.out / "table.md").write_text(table(meta, rows))

@@ -148,27 +148,11 @@ class DataPlane(DominatedLoop):
         self._label_state(label)
         if options.label_privacy == "dp-theta":
             self._protect_theta(options)
-        #: with keys, every message between parties is sealed (authenticated encryption), per plane
-        self.channels = None if options.keys is None else options.keys.channels(self.rank, b"data")
-        wire_words = self.max_words + (0 if self.channels is None else OVERHEAD_WORDS)
-        #: every data-plane message, both ways (protocols/transport.py): sends from any thread, sealed
-        #: with channels; the communication thread is its one receiver
-        self.transport = MpiTransport(self.data, capacity_words=wire_words, max_message_words=wire_words,
-                                      channels=self.channels, kinds=MESSAGE_KINDS, liveness=self.liveness,
-                                      silent_tags=frozenset({TAG_HEARTBEAT}))
+        self._transport(options)
         self._counters()
         #: per request of this dominator: who takes its scores (a waiting slot's put, or the inline step)
         self.results: dict[int, Callable[[np.ndarray], None]] = {}
-        #: the B = 1 hot path (docs/runtime.md): this party's steps and the (ϑ, i) it receives are run
-        #: by the communication thread itself, no hand-off to the main thread or a worker
-        self.inline = inline_path(options, self.part, label)
-        self.inline_lock = threading.RLock()
-        self._writer_of = [self.active_ranks.index(r) % options.threads + 1 if r in self.active_ranks else 0
-                           for r in range(self.q)]
-        self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(options.threads)]
-        #: per rank: the worker queue of its (ϑ, i) stream (dominator r → worker r mod k)
-        self._queue_of = [self.queues[self.active_ranks.index(r) % len(self.queues)]
-                          if r in self.active_ranks else None for r in range(self.q)]
+        self._routing(options, label)
         #: this dominator's row sampler (not ``--epsilon``'s pass batches): its checkpoint keeps where it
         #: stands, so a resumed lock-step run draws the rows the uninterrupted one would have
         self.sampler = np.random.default_rng([options.seed, self.rank])
@@ -178,6 +162,28 @@ class DataPlane(DominatedLoop):
         self._guard = functools.partial(guarded, self.data, self.rank)
         self._link = (options.link_delay, options.link_jitter, options.seed + self.rank)
         self.compiled = options.engine == "compiled"  # the pump (below) is built at warm-up
+
+    def _transport(self, options: RuntimeOptions) -> None:
+        """The data plane's one transport (protocols/transport.py), every data-plane message both ways:
+        sends from any thread; the communication thread is its one receiver. With keys every message
+        between parties is sealed (authenticated encryption), per plane."""
+        self.channels = None if options.keys is None else options.keys.channels(self.rank, b"data")
+        wire_words = self.max_words + (0 if self.channels is None else OVERHEAD_WORDS)
+        self.transport = MpiTransport(self.data, capacity_words=wire_words, max_message_words=wire_words,
+                                      channels=self.channels, kinds=MESSAGE_KINDS, liveness=self.liveness,
+                                      silent_tags=frozenset({TAG_HEARTBEAT}))
+
+    def _routing(self, options: RuntimeOptions, label) -> None:
+        """Who applies each dominator's (ϑ, i): the communication thread itself on the B = 1 hot path
+        (docs/runtime.md, no hand-off to another thread), else worker r mod k for dominator r, each
+        worker writing through its own writer slot."""
+        self.inline = inline_path(options, self.part, label)
+        self.inline_lock = threading.RLock()
+        self._writer_of = [self.active_ranks.index(r) % options.threads + 1 if r in self.active_ranks else 0
+                           for r in range(self.q)]
+        self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(options.threads)]
+        self._queue_of = [self.queues[self.active_ranks.index(r) % len(self.queues)]
+                          if r in self.active_ranks else None for r in range(self.q)]
 
     def _counters(self) -> None:
         """What the control words of the data plane are checked against, per party."""
