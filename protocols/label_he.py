@@ -40,12 +40,16 @@ The check: after unmasking, |g_j| must not exceed Σ_i |x_ij| · 2^(VALUE_BITS +
 fixed point (what B values |ϑ| < 2^VALUE_BITS can give); a larger value means the decryption wrapped,
 which an honest dominator cannot cause, and ends the job naming it.
 
-Paillier ciphertexts carry one public bit besides the plaintext: the Jacobi symbol of c mod n. HEU's
-honest ciphertexts all have symbol +1 (its randomness base is −x² mod n, and n = pq with p ≡ q ≡ 3 mod
-4), and so do sums of them; a dominator that sent some with symbol −1 would read, in the symbol of each
-reply, the parity of Σ x_ij over those rows. A passive party therefore checks the symbol of
-JACOBI_PROBES random subset sums of every batch it receives (a batch with any −1 passes with
-probability 2^-JACOBI_PROBES).
+Paillier ciphertexts carry two public bits besides the plaintext. One is the Jacobi symbol of c mod n.
+HEU's honest ciphertexts all have symbol +1 (its randomness base is −x² mod n, and n = pq with p ≡ q ≡ 3
+mod 4), and so do sums of them; a dominator that sent some with symbol −1 would read, in the symbol of
+each reply, the parity of Σ x_ij over those rows. The other is HEU's sign: its serialisation carries one,
+its arithmetic keeps it (a product is negative when an odd number of its factors are), and −c has c's
+symbol, since (−1 | n) = +1. A dominator that sent some ciphertexts negated would read the same parity
+in the sign of each reply. A passive party therefore checks the symbol and the sign of JACOBI_PROBES
+random subset sums of every batch it receives: a batch with any symbol −1, or any negative ciphertext,
+gives an odd count in a random subset with probability 1/2, so it passes with probability
+2^-JACOBI_PROBES.
 
 Fixed point: ϑ is encoded with THETA_BITS fractional bits (resolution 2^-32 ≈ 2.3e-10); a party's
 features exactly when they are all integers (one-hot, counts: multiplying a ciphertext by 1 is
@@ -99,7 +103,8 @@ RETURN_BITS = 128
 MIN_BATCH = 16
 SCHEMES = ("ou", "paillier")
 KEY_BITS = (2048, 3072, 4096)
-#: Subset sums of each encrypted Paillier batch whose Jacobi symbol a passive party checks (module doc).
+#: Subset sums of each encrypted Paillier batch whose Jacobi symbol and sign a passive party checks
+#: (module doc).
 JACOBI_PROBES = 40
 #: Largest public key / ciphertext serialisation accepted, per key bit (measured for 2048 bits: an OU
 #: key 0.39 B/bit, an OU ciphertext 0.13, a Paillier one 0.26; they only bound what is parsed).
@@ -420,7 +425,7 @@ class BlockGradient:
                              f"width: scale the features")
         try:  # the library computes on the peer's ciphertexts: what it cannot do is the peer's fault
             if self._modulus is not None:
-                self._check_jacobi(cts)
+                self._check_probes(cts)
             return self._column_sums(cts, nnz, position, columns, pieces, progress), bounds
         except ProtocolViolation:
             raise
@@ -460,17 +465,23 @@ class BlockGradient:
             total[present] = ev.add(total[present], sums)  # one call each, no per-column loop
         return total
 
-    def _check_jacobi(self, cts) -> None:
-        """Paillier: every ciphertext of the batch has Jacobi symbol +1 mod n, checked on JACOBI_PROBES
-        random subset sums (module doc). HEU's text form of a ciphertext is c·2^(60k) mod n² for its
-        Montgomery arithmetic; 2^(60k) is a square, so the symbol is c's own."""
+    def _check_probes(self, cts) -> None:
+        """Paillier: every ciphertext of the batch is non-negative and has Jacobi symbol +1 mod n, checked
+        on JACOBI_PROBES random subset sums (module doc). HEU's text form of a ciphertext is c·2^(60k)
+        mod n² for its Montgomery arithmetic, with HEU's sign; 2^(60k) is a square, so the symbol is c's
+        own."""
         n, size = self._modulus, cts.size
         rng = np.random.default_rng()  # OS entropy: the dominator must not know the subsets
         picks = [p.tolist() for p in (np.flatnonzero(rng.random(size) < 0.5) for _ in range(JACOBI_PROBES))
                  if p.size]
         sums = self._evaluator.batch_select_sum(cts, picks)
         for k in range(len(picks)):
-            if gmpy2.jacobi(int(str(sums[k])) % n, n) != 1:
+            value = int(str(sums[k]))
+            if value < 0:
+                raise ProtocolViolation(self.source, _WHAT_CT,
+                                        "holds a negative ciphertext: no honest encryption is one, and the "
+                                        "reply's sign would show a parity of the features")
+            if gmpy2.jacobi(value % n, n) != 1:
                 raise ProtocolViolation(self.source, _WHAT_CT,
                                         "holds a ciphertext whose Jacobi symbol is not +1: no honest "
                                         "encryption has one, and the reply would show a parity of the "

@@ -229,6 +229,40 @@ def test_a_paillier_ciphertext_with_jacobi_symbol_minus_one_is_refused(paillier_
         party.masked(forged, np.arange(20))
 
 
+def test_a_negated_paillier_ciphertext_would_show_its_rows_features_and_is_refused(paillier_key):
+    """HEU keeps a sign with each ciphertext, through its arithmetic: a dominator that negates row r's
+    ciphertext (same plaintext, same Jacobi symbol) would read, in the sign of each column's masked reply,
+    whether x_rj is odd: row r's binary features, with the gradients still right. Without the check
+    the attack works (so the check below is what stops it); with it the batch is refused before any
+    reply, naming the dominator."""
+    from tests.mpi_scripts.hostile_he import negate
+
+    rng = np.random.default_rng(5)
+    X = (rng.random((20, 9)) < 0.4).astype(float)
+    X[5, :2] = [1.0, 0.0]  # row 5 has both kinds of column
+    party = label_he.BlockGradient(0, paillier_key.public_bytes(), block=Block.from_matrix(X),
+                                   scheme="paillier")
+    payload = paillier_key.encrypt(np.linspace(-1, 1, 20))
+    forged = negate(payload, 5)
+    load = label_he._heu()[0].CiphertextArray.load_from
+    k = paillier_key
+    plain = [k._decryptor.decrypt(load(p)).to_numpy(k._big).ravel() for p in (payload, forged)]
+    assert list(plain[0]) == list(plain[1])  # the same plaintexts
+
+    checked = party._check_probes
+    party._check_probes = lambda cts: None  # the passive party without the sign probe
+    reply = load(party.masked(forged, np.arange(20)))
+    signs = np.array([str(reply[j]).startswith("-") for j in range(9)])
+    assert np.array_equal(signs, X[5] == 1.0)  # the dominator reads row 5 from the signs alone
+    honest = party.unmask(paillier_key.decrypt_masked(1, party.masked(forged, np.arange(20)), batch=20))
+    assert np.allclose(honest, X.T @ np.linspace(-1, 1, 20), atol=1e-6)  # and nothing looks wrong
+
+    party._check_probes = checked
+    with pytest.raises(ProtocolViolation, match=r"party 0 sent an invalid encrypted batch: holds a negative"):
+        party.masked(forged, np.arange(20))
+    party.unmask(paillier_key.decrypt_masked(1, party.masked(payload, np.arange(20)), batch=20))
+
+
 def test_the_active_party_sees_only_masked_values(key):
     """Two batches with the same gradient decrypt to unrelated numbers: the mask is fresh each time."""
     block = _block(np.random.default_rng(4), True)
@@ -370,7 +404,7 @@ def tamper_job(scenario: str) -> Callable[[], subprocess.CompletedProcess]:
 HUGE_EPSILON_BATCH, HUGE_EPSILON_GAMMA, EPSILON_BATCH = 64, 0.04, 64
 HOSTILE = {"passive-none": ("passive", "none"), "passive-1": ("passive", "1"),
            "dominator-paillier": ("dominator", "paillier"), "dominator-ou": ("dominator", "ou"),
-           "jacobi": ("jacobi",)}
+           "jacobi": ("jacobi",), "sign": ("sign",)}
 
 
 @pytest.fixture(scope="module")
@@ -650,10 +684,12 @@ def test_a_malicious_dominator_reads_no_features_under_paillier(jobs):
 @pytest.mark.parametrize("scenario, message", [
     ("dominator-ou", "party 0 sent an invalid decrypted gradient: column"),
     ("jacobi", "party 0 sent an invalid encrypted batch: holds a ciphertext whose Jacobi symbol"),
+    ("sign", "party 0 sent an invalid encrypted batch: holds a negative ciphertext"),
 ])
 def test_a_passive_party_ends_the_job_naming_a_malicious_dominator(jobs, scenario, message):
     """OU: the same scaled plaintexts run past p and the decryption wraps; the unmasked value is then no
-    sum honest ϑ's can make. Paillier: a ciphertext of Jacobi symbol −1 is refused before any reply."""
+    sum honest ϑ's can make. Paillier: a ciphertext of Jacobi symbol −1, or a negative one, is refused
+    before any reply."""
     _, proc, output = _hostile_of(jobs, scenario)
     assert proc.returncode not in (0, 139, -11), output
     assert message in output, output

@@ -17,6 +17,9 @@ protocol hides. ``argv``: the scenario, then a folder for what the parties recor
 * ``jacobi``: Paillier; the dominator multiplies one ciphertext of its second batch by t^n with Jacobi
   symbol (t | n) = −1 (:func:`flip_jacobi`): same plaintext, but the replies would show the parity of
   the features of that row. The passive parties must end the job naming party 0.
+* ``sign``: Paillier; the dominator negates one ciphertext of its second batch (:func:`negate`): it
+  decrypts the same, but each reply's sign would show the parity of the features of that row. The
+  passive parties must end the job naming party 0.
 """
 
 from __future__ import annotations
@@ -98,6 +101,21 @@ def flip_jacobi(payload: bytes, n: int, index: int) -> bytes:
         forged = value * pow(t, n, n * n) % (n * n)
         if gmpy2.jacobi(t, n) == -1 and forged < 1 << (8 * width - 1):
             return payload[:at] + forged.to_bytes(width, "little") + payload[at + width:]
+
+
+def negate(payload: bytes, index: int) -> bytes:
+    """``payload`` with ciphertext ``index`` negated: HEU's sign is the top bit of the bytes that
+    :func:`flip_jacobi` finds, and an honest ciphertext leaves it clear."""
+    from heu import numpy as hnp
+
+    value = int(str(hnp.CiphertextArray.load_from(payload)[index]))
+    plain = value.to_bytes((value.bit_length() + 7) // 8, "little")
+    at = payload.find(plain)
+    width = int.from_bytes(payload[at - 2:at], "big")
+    assert at > 2 and width >= len(plain) and value < 1 << (8 * width - 1), "HEU's ciphertext layout changed"
+    flipped = bytearray(payload[at:at + width])
+    flipped[-1] |= 0x80
+    return payload[:at] + bytes(flipped) + payload[at + width:]
 
 
 def main() -> None:
@@ -184,7 +202,8 @@ def _passive_attack(runtime: PartyRuntime) -> dict[str, list]:
 
 
 def _dominator_attack(runtime: PartyRuntime, scenario: str) -> dict:
-    """The dominator encrypts the scaled plaintexts (or, ``jacobi``, flips one ciphertext's symbol) and
+    """The dominator encrypts the scaled plaintexts (or, ``jacobi``, flips one ciphertext's symbol; ``sign``,
+    its sign) and
     keeps every batch's rows and every full decryption, per passive party (filled in as the job runs)."""
     key = runtime.label.key
     honest_encrypt, honest_decrypt = key.encrypt, key.decrypt_masked
@@ -199,9 +218,11 @@ def _dominator_attack(runtime: PartyRuntime, scenario: str) -> dict:
 
     def encrypt(thetas: np.ndarray) -> bytes:
         batches.append(1)
-        if scenario == "jacobi":
+        if scenario in ("jacobi", "sign"):
             payload = honest_encrypt(thetas)
-            return flip_jacobi(payload, n, 3) if len(batches) == 2 else payload
+            if len(batches) != 2:
+                return payload
+            return flip_jacobi(payload, n, 3) if scenario == "jacobi" else negate(payload, 3)
         ones = key._encryptor.encrypt(key._kit.array(np.ones(thetas.size, dtype=np.int64), key._encoder))
         scaled = key._kit.array(np.array(scaled_plaintexts(thetas.size), dtype=object), key._big)
         return key._kit.evaluator().mul(ones, scaled).serialize()
