@@ -263,6 +263,32 @@ def test_a_negated_paillier_ciphertext_would_show_its_rows_features_and_is_refus
     party.unmask(paillier_key.decrypt_masked(1, party.masked(payload, np.arange(20)), batch=20))
 
 
+@pytest.mark.parametrize("forgery", ["zero", "n"])
+def test_a_paillier_ciphertext_sharing_a_factor_with_n_is_refused(paillier_key, forgery):
+    """A dominator's "ciphertext" 0 or n (no encryption: not a unit mod n²) would make every column
+    reply that includes its row share a factor with n, which its key holder sees (gcd) while nothing
+    fails: the row's binary features again. Its Jacobi symbol is 0, so the probes refuse the batch."""
+    import math
+
+    from tests.mpi_scripts.hostile_he import replace
+
+    rng = np.random.default_rng(6)
+    X = (rng.random((20, 9)) < 0.4).astype(float)
+    X[5, :2] = [1.0, 0.0]
+    party = label_he.BlockGradient(0, paillier_key.public_bytes(), block=Block.from_matrix(X),
+                                   scheme="paillier")
+    n = party._modulus
+    forged = replace(paillier_key.encrypt(np.linspace(-1, 1, 20)), 5, 0 if forgery == "zero" else n)
+    checked = party._check_probes
+    party._check_probes = lambda cts: None
+    reply = label_he._heu()[0].CiphertextArray.load_from(party.masked(forged, np.arange(20)))
+    shares = np.array([math.gcd(int(str(reply[j])), n) > 1 for j in range(9)])
+    assert np.array_equal(shares, X[5] == 1.0)  # without the probes: row 5 read from the replies
+    party._check_probes = checked
+    with pytest.raises(ProtocolViolation, match=r"party 0 sent an invalid encrypted batch: .*Jacobi symbol"):
+        party.masked(forged, np.arange(20))
+
+
 def test_the_active_party_sees_only_masked_values(key):
     """Two batches with the same gradient decrypt to unrelated numbers: the mask is fresh each time."""
     block = _block(np.random.default_rng(4), True)

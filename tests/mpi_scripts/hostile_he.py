@@ -103,9 +103,9 @@ def flip_jacobi(payload: bytes, n: int, index: int) -> bytes:
             return payload[:at] + forged.to_bytes(width, "little") + payload[at + width:]
 
 
-def negate(payload: bytes, index: int) -> bytes:
-    """``payload`` with ciphertext ``index`` negated: HEU's sign is the top bit of the bytes that
-    :func:`flip_jacobi` finds, and an honest ciphertext leaves it clear."""
+def _bytes_of(payload: bytes, index: int) -> tuple[int, int, int]:
+    """Ciphertext ``index`` of ``payload``: HEU's text form of it, where its bytes start, and how many
+    there are (the layout :func:`flip_jacobi` describes)."""
     from heu import numpy as hnp
 
     value = int(str(hnp.CiphertextArray.load_from(payload)[index]))
@@ -113,9 +113,22 @@ def negate(payload: bytes, index: int) -> bytes:
     at = payload.find(plain)
     width = int.from_bytes(payload[at - 2:at], "big")
     assert at > 2 and width >= len(plain) and value < 1 << (8 * width - 1), "HEU's ciphertext layout changed"
+    return value, at, width
+
+
+def negate(payload: bytes, index: int) -> bytes:
+    """``payload`` with ciphertext ``index`` negated: HEU's sign is the top bit of its bytes, which an
+    honest ciphertext leaves clear."""
+    _, at, width = _bytes_of(payload, index)
     flipped = bytearray(payload[at:at + width])
     flipped[-1] |= 0x80
     return payload[:at] + bytes(flipped) + payload[at + width:]
+
+
+def replace(payload: bytes, index: int, text_form: int) -> bytes:
+    """``payload`` with ciphertext ``index``'s text form replaced by ``text_form`` (non-negative)."""
+    _, at, width = _bytes_of(payload, index)
+    return payload[:at] + text_form.to_bytes(width, "little") + payload[at + width:]
 
 
 def main() -> None:
