@@ -82,8 +82,7 @@ class CompiledPump:
                       np.zeros(MASK_WORDS, np.uint64), np.zeros(1, np.int64), np.zeros(1, np.int64),
                       np.zeros(1), plane.inbox.received, plane.applied, self.u, self.starts, np.zeros(p)]
         b = party.block
-        self.block = (*map(_writable, (b.indptr, b.indices, b.data)), party.w, rule.mu, rule.last,
-                      rule.counters)
+        self.block = (b.indptr, b.indices, b.data, party.w, rule.mu, rule.last, rule.counters)
         self._rule()
         plane.part.on_new_step = self._rule  # --gamma-decay reaches every party's pump, passive ones too
         self._next: tuple | None = None  # (rows, deadline, segment) the main thread hands over
@@ -272,9 +271,11 @@ def explain(why: int, a: int, b: int, source: int, rank: int, n_rows: int, seq: 
 
 
 def _writable(array: np.ndarray) -> np.ndarray:
-    """``array``, copied if it is read-only (labels or a block read from a read-only buffer): numba
-    compiles one pump per read-only flag, and a first job with a read-only array compiled its own in
-    every rank at once (30 s of a 0.02 s job on 2 cores), past the cache the launcher warms."""
+    """``array``, copied if it is read-only (labels read from a read-only buffer): numba compiles one pump
+    per read-only flag, and a first job with read-only labels compiled its own in every rank at once
+    (30 s of a 0.02 s job on 2 cores), past the cache the launcher warms. A memory-mapped block is not
+    copied (it may be the size of the data): the first compiled job on a party folder still compiles
+    its own pump, once per checkout (compiling both in :func:`compile_once` took 51 s instead of 27)."""
     return array if array.flags.writeable else array.copy()
 
 
