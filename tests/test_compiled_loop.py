@@ -160,6 +160,7 @@ def test_one_dominator_gets_the_python_inline_paths_model(tmp_path: Path, update
     common = ("-n", "3", "-m", "1", *data, "--epochs", "1", "--eval-every", "0.5", "--updates", updates)
     python = _train(tmp_path / "python", "python", *common)
     compiled_pumps = set(REPO_ROOT.glob("parties/__pycache__/compiled_loop.pump-*.nbc"))
+    assert compiled_pumps, "the module's fixture compiled no pump where the launcher looks for it"
     compiled = _train(tmp_path / "compiled", "compiled", *common)
     # the ranks loaded the pump compiled once for the session: a read-only array (diabetes' labels) once
     # made each rank compile its own, 30 s of a 0.02 s job

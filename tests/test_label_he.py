@@ -229,6 +229,14 @@ def test_a_paillier_ciphertext_with_jacobi_symbol_minus_one_is_refused(paillier_
         party.masked(forged, np.arange(20))
 
 
+def _binary_paillier_party(key, seed: int) -> tuple[np.ndarray, label_he.BlockGradient]:
+    """A passive party's 20 x 9 binary block under ``key``, whose row 5 has a 1 and a 0 (the row the
+    forgeries below target), and the party."""
+    X = (np.random.default_rng(seed).random((20, 9)) < 0.4).astype(float)
+    X[5, :2] = [1.0, 0.0]
+    return X, label_he.BlockGradient(0, key.public_bytes(), block=Block.from_matrix(X), scheme="paillier")
+
+
 def test_a_negated_paillier_ciphertext_would_show_its_rows_features_and_is_refused(paillier_key):
     """HEU keeps a sign with each ciphertext, through its arithmetic: a dominator that negates row r's
     ciphertext (same plaintext, same Jacobi symbol) would read, in the sign of each column's masked reply,
@@ -237,11 +245,7 @@ def test_a_negated_paillier_ciphertext_would_show_its_rows_features_and_is_refus
     reply, naming the dominator."""
     from tests.mpi_scripts.hostile_he import negate
 
-    rng = np.random.default_rng(5)
-    X = (rng.random((20, 9)) < 0.4).astype(float)
-    X[5, :2] = [1.0, 0.0]  # row 5 has both kinds of column
-    party = label_he.BlockGradient(0, paillier_key.public_bytes(), block=Block.from_matrix(X),
-                                   scheme="paillier")
+    X, party = _binary_paillier_party(paillier_key, 5)
     payload = paillier_key.encrypt(np.linspace(-1, 1, 20))
     forged = negate(payload, 5)
     load = label_he._heu()[0].CiphertextArray.load_from
@@ -272,11 +276,7 @@ def test_a_paillier_ciphertext_sharing_a_factor_with_n_is_refused(paillier_key, 
 
     from tests.mpi_scripts.hostile_he import replace
 
-    rng = np.random.default_rng(6)
-    X = (rng.random((20, 9)) < 0.4).astype(float)
-    X[5, :2] = [1.0, 0.0]
-    party = label_he.BlockGradient(0, paillier_key.public_bytes(), block=Block.from_matrix(X),
-                                   scheme="paillier")
+    X, party = _binary_paillier_party(paillier_key, 6)
     n = party._modulus
     forged = replace(paillier_key.encrypt(np.linspace(-1, 1, 20)), 5, 0 if forgery == "zero" else n)
     checked = party._check_probes

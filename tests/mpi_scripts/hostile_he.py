@@ -88,13 +88,7 @@ def flip_jacobi(payload: bytes, n: int, index: int) -> bytes:
     two-byte length; multiplying that by t^n gives the form of c·t^n. The top bit of those bytes is
     HEU's sign: a forgery that sets it reads back negative and decrypts to another plaintext (2 keys of 50
     drew such a t first), so t is drawn until the forgery leaves it clear."""
-    from heu import numpy as hnp
-
-    value = int(str(hnp.CiphertextArray.load_from(payload)[index]))
-    plain = value.to_bytes((value.bit_length() + 7) // 8, "little")
-    at = payload.find(plain)
-    width = int.from_bytes(payload[at - 2:at], "big")
-    assert at > 2 and width >= len(plain), "HEU's ciphertext layout changed"
+    value, at, width = _bytes_of(payload, index)
     t = 2
     while True:
         t += 1
